@@ -1,0 +1,1 @@
+"""Type stubs for the compiled core, `specfast._core`."""

@@ -1,0 +1,13 @@
+//! specfast's core: plain Rust with no Python in it.
+//!
+//! - [`automaton`]: an online suffix automaton over token ids.
+//! - [`drafter`]: the n-gram drafter built on it (match policies, evidence-capped k, corpus).
+//! - [`accept`]: greedy verification and residual rejection sampling.
+//! - [`error`]: the error type, turned into Python exceptions only at the boundary.
+//!
+//! All PyO3 code lives in the `python` module, compiled only with the `python` feature.
+
+pub mod error;
+
+#[cfg(feature = "python")]
+mod python;

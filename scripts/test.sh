@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite: install, Rust tests and lints, Python lints and stub check, then pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+cargo fmt --check
+cargo clippy --all-targets -- -D warnings
+cargo clippy --all-targets --features python -- -D warnings
+cargo test --release
+ruff check python tests benches
+ruff format --check python tests benches
+python3 -m mypy.stubtest specfast._core
+python3 -m pytest -q "$@"
