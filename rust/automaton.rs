@@ -18,9 +18,12 @@
 
 const NONE: u32 = u32::MAX;
 
-/// Positions, states and edges are `u32`; this bound keeps `2n` states and `3n` edges below
-/// `u32::MAX`.
-pub const MAX_TOKENS: usize = 1 << 30;
+/// Positions, states and edges are `u32`; this bound keeps `3n` edges below `2^29`, which frees the
+/// top three bits of a hash slot for a fingerprint.
+pub const MAX_TOKENS: usize = 1 << 27;
+
+const EDGE_BITS: u32 = 29;
+const EDGE_MASK: u32 = (1 << EDGE_BITS) - 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tracking {
@@ -36,17 +39,29 @@ impl Tracking {
     }
 }
 
+/// One state, kept together so that a visit costs one cache miss.
+#[derive(Debug, Clone, Copy)]
+struct State {
+    len: u32,
+    link: u32,
+    first: u32,
+    head: u32,
+}
+
+/// One transition: the hash table compares `src` and `tok` and reads `to` in one cache miss.
+#[derive(Debug, Clone, Copy)]
+struct Edge {
+    src: u32,
+    tok: u32,
+    to: u32,
+}
+
 #[derive(Debug, Clone)]
 pub struct Automaton {
-    len: Vec<u32>,
-    link: Vec<u32>,
-    first: Vec<u32>,
-    head: Vec<u32>,
+    st: Vec<State>,
     recent: Vec<u32>,
     count: Vec<u32>,
-    e_src: Vec<u32>,
-    e_tok: Vec<u32>,
-    e_to: Vec<u32>,
+    edges: Vec<Edge>,
     e_next: Vec<u32>,
     slots: Vec<u32>,
     tracking: Tracking,
@@ -66,18 +81,19 @@ fn hash(src: u32, tok: u32) -> u64 {
     x ^ (x >> 29)
 }
 
+/// Three hash bits not used by the slot index, in the slot's top bits.
+#[inline]
+fn fingerprint(h: u64) -> u32 {
+    ((h >> 61) as u32) << EDGE_BITS
+}
+
 impl Automaton {
     pub fn new(tracking: Tracking) -> Self {
         let mut a = Automaton {
-            len: Vec::new(),
-            link: Vec::new(),
-            first: Vec::new(),
-            head: Vec::new(),
+            st: Vec::new(),
             recent: Vec::new(),
             count: Vec::new(),
-            e_src: Vec::new(),
-            e_tok: Vec::new(),
-            e_to: Vec::new(),
+            edges: Vec::new(),
             e_next: Vec::new(),
             slots: vec![NONE; 16],
             tracking,
@@ -95,62 +111,52 @@ impl Automaton {
     }
 
     pub fn states(&self) -> usize {
-        self.len.len()
+        self.st.len()
     }
 
     pub fn edges(&self) -> usize {
-        self.e_to.len()
+        self.edges.len()
     }
 
     /// Bytes held, counting allocated capacity.
     pub fn memory_bytes(&self) -> usize {
-        4 * (self.len.capacity()
-            + self.link.capacity()
-            + self.first.capacity()
-            + self.head.capacity()
-            + self.recent.capacity()
-            + self.count.capacity()
-            + self.e_src.capacity()
-            + self.e_tok.capacity()
-            + self.e_to.capacity()
-            + self.e_next.capacity()
-            + self.slots.capacity())
+        std::mem::size_of::<State>() * self.st.capacity()
+            + std::mem::size_of::<Edge>() * self.edges.capacity()
+            + 4 * (self.recent.capacity()
+                + self.count.capacity()
+                + self.e_next.capacity()
+                + self.slots.capacity())
     }
 
     pub fn reserve(&mut self, tokens: usize) {
         // On text, about 1.6 states and 1.6 edges per token.
         let s = tokens + tokens / 2;
-        self.len.reserve(s);
-        self.link.reserve(s);
-        self.first.reserve(s);
-        self.head.reserve(s);
+        self.st.reserve(s);
         if self.tracking.recent {
             self.recent.reserve(s);
         }
         if self.tracking.count {
             self.count.reserve(s);
         }
-        self.e_src.reserve(s);
-        self.e_tok.reserve(s);
-        self.e_to.reserve(s);
+        self.edges.reserve(s);
         self.e_next.reserve(s);
     }
 
     /// The longest string of `state` has this many tokens.
     #[inline]
     pub fn len_of(&self, state: u32) -> u32 {
-        self.len[state as usize]
+        self.st[state as usize].len
     }
 
     #[inline]
     pub fn link_of(&self, state: u32) -> u32 {
-        self.link[state as usize]
+        self.st[state as usize].link
     }
 
     /// The earliest end position of the strings of `state`.
     #[inline]
     pub fn first_end(&self, state: u32) -> u32 {
-        self.first[state as usize]
+        self.st[state as usize].first
     }
 
     /// The most recent end position of the strings of `state` (needs `Tracking::recent`).
@@ -178,12 +184,13 @@ impl Automaton {
 
     /// Out-edges of `state` as `(token, target)`.
     pub fn out_edges(&self, state: u32) -> impl Iterator<Item = (u32, u32)> + '_ {
-        let mut e = self.head[state as usize];
+        let mut e = self.st[state as usize].head;
         std::iter::from_fn(move || {
             if e == NONE {
                 return None;
             }
-            let item = (self.e_tok[e as usize], self.e_to[e as usize]);
+            let edge = self.edges[e as usize];
+            let item = (edge.tok, edge.to);
             e = self.e_next[e as usize];
             Some(item)
         })
@@ -197,11 +204,21 @@ impl Automaton {
     #[inline]
     fn find_slot(&self, src: u32, tok: u32) -> (usize, u32) {
         let mask = self.slots.len() - 1;
-        let mut i = (hash(src, tok) >> 20) as usize & mask;
+        let h = hash(src, tok);
+        let mut i = (h >> 20) as usize & mask;
+        let fp = fingerprint(h);
         loop {
-            let e = self.slots[i];
-            if e == NONE || (self.e_src[e as usize] == src && self.e_tok[e as usize] == tok) {
-                return (i, e);
+            let slot = self.slots[i];
+            if slot == NONE {
+                return (i, NONE);
+            }
+            // The fingerprint skips most wrong slots without touching their edge (a cache miss).
+            if slot & !EDGE_MASK == fp {
+                let e = slot & EDGE_MASK;
+                let edge = &self.edges[e as usize];
+                if edge.src == src && edge.tok == tok {
+                    return (i, e);
+                }
             }
             i = (i + 1) & mask;
         }
@@ -214,7 +231,7 @@ impl Automaton {
         if e == NONE {
             None
         } else {
-            Some(self.e_to[e as usize])
+            Some(self.edges[e as usize].to)
         }
     }
 
@@ -222,43 +239,45 @@ impl Automaton {
         let cap = self.slots.len() * 2;
         self.slots = vec![NONE; cap];
         let mask = cap - 1;
-        for e in 0..self.e_src.len() {
-            let mut i = (hash(self.e_src[e], self.e_tok[e]) >> 20) as usize & mask;
+        for (e, edge) in self.edges.iter().enumerate() {
+            let h = hash(edge.src, edge.tok);
+            let mut i = (h >> 20) as usize & mask;
             while self.slots[i] != NONE {
                 i = (i + 1) & mask;
             }
-            self.slots[i] = e as u32;
+            self.slots[i] = e as u32 | fingerprint(h);
         }
     }
 
     fn add_edge(&mut self, src: u32, tok: u32, to: u32) {
         // Load factor at most 3/4.
-        if (self.e_src.len() + 1) * 4 > self.slots.len() * 3 {
+        if (self.edges.len() + 1) * 4 > self.slots.len() * 3 {
             self.grow_slots();
         }
         let (i, _) = self.find_slot(src, tok);
-        let e = self.e_src.len() as u32;
-        self.e_src.push(src);
-        self.e_tok.push(tok);
-        self.e_to.push(to);
-        self.e_next.push(self.head[src as usize]);
-        self.head[src as usize] = e;
-        self.slots[i] = e;
+        let fp = fingerprint(hash(src, tok));
+        let e = self.edges.len() as u32;
+        self.edges.push(Edge { src, tok, to });
+        self.e_next.push(self.st[src as usize].head);
+        self.st[src as usize].head = e;
+        self.slots[i] = e | fp;
     }
 
     fn set_edge(&mut self, src: u32, tok: u32, to: u32) {
         let (_, e) = self.find_slot(src, tok);
         if e != NONE {
-            self.e_to[e as usize] = to;
+            self.edges[e as usize].to = to;
         }
     }
 
     fn new_state(&mut self, len: u32, link: u32, first: u32, recent: u32, count: u32) -> u32 {
-        let s = self.len.len() as u32;
-        self.len.push(len);
-        self.link.push(link);
-        self.first.push(first);
-        self.head.push(NONE);
+        let s = self.st.len() as u32;
+        self.st.push(State {
+            len,
+            link,
+            first,
+            head: NONE,
+        });
         if self.tracking.recent {
             self.recent.push(recent);
         }
@@ -272,15 +291,15 @@ impl Automaton {
     /// `len`; `q` then links to it.
     fn clone_state(&mut self, q: u32, len: u32) -> u32 {
         let qi = q as usize;
-        let (first, recent, count) = (self.first[qi], self.recent_end(q), self.count_of(q));
-        let c = self.new_state(len, self.link[qi], first, recent, count);
-        let mut e = self.head[qi];
+        let (first, recent, count) = (self.st[qi].first, self.recent_end(q), self.count_of(q));
+        let c = self.new_state(len, self.st[qi].link, first, recent, count);
+        let mut e = self.st[qi].head;
         while e != NONE {
-            let (tok, to) = (self.e_tok[e as usize], self.e_to[e as usize]);
+            let Edge { tok, to, .. } = self.edges[e as usize];
             self.add_edge(c, tok, to);
             e = self.e_next[e as usize];
         }
-        self.link[qi] = c;
+        self.st[qi].link = c;
         c
     }
 
@@ -294,7 +313,7 @@ impl Automaton {
             if self.tracking.count {
                 self.count[s] += 1;
             }
-            state = self.link[s];
+            state = self.st[s].link;
         }
     }
 
@@ -304,17 +323,17 @@ impl Automaton {
         let pos = self.n;
         self.n += 1;
         let last = self.last;
-        let want = self.len[last as usize] + 1;
+        let want = self.st[last as usize].len + 1;
         // Generalised automaton: a new document can repeat a string already indexed.
         if let Some(q) = self.next(last, c) {
-            let state = if self.len[q as usize] == want {
+            let state = if self.st[q as usize].len == want {
                 q
             } else {
                 let clone = self.clone_state(q, want);
                 let mut p = last;
                 while p != NONE && self.next(p, c) == Some(q) {
                     self.set_edge(p, c, clone);
-                    p = self.link[p as usize];
+                    p = self.st[p as usize].link;
                 }
                 clone
             };
@@ -329,23 +348,23 @@ impl Automaton {
         let mut p = last;
         while p != NONE && self.next(p, c).is_none() {
             self.add_edge(p, c, cur);
-            p = self.link[p as usize];
+            p = self.st[p as usize].link;
         }
         if p != NONE {
             let q = self.next(p, c).unwrap_or(ROOT);
-            if self.len[p as usize] + 1 == self.len[q as usize] {
-                self.link[cur as usize] = q;
+            if self.st[p as usize].len + 1 == self.st[q as usize].len {
+                self.st[cur as usize].link = q;
             } else {
-                let clone = self.clone_state(q, self.len[p as usize] + 1);
+                let clone = self.clone_state(q, self.st[p as usize].len + 1);
                 while p != NONE && self.next(p, c) == Some(q) {
                     self.set_edge(p, c, clone);
-                    p = self.link[p as usize];
+                    p = self.st[p as usize].link;
                 }
-                self.link[cur as usize] = clone;
+                self.st[cur as usize].link = clone;
             }
         }
         self.last = cur;
-        self.recent_before = self.recent_end(self.link[cur as usize]);
+        self.recent_before = self.recent_end(self.st[cur as usize].link);
         if self.tracking.any() {
             self.propagate(cur, pos);
         }

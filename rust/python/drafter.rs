@@ -242,7 +242,7 @@ impl PyNgramDrafter {
             None => defaults.min_match,
         };
         let max_corpus_tokens = match max_corpus_tokens {
-            Some(m) => int_arg(m, "max_corpus_tokens", 0, 1 << 30)? as usize,
+            Some(m) => int_arg(m, "max_corpus_tokens", 0, 1 << 27)? as usize,
             None => defaults.max_corpus_tokens,
         };
         let config = Config {
