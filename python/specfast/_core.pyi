@@ -6,6 +6,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+# PyO3 fills the runtime __all__ from the registered functions; keep this list in step.
+__all__ = [
+    "accept_greedy",
+    "accept_sampled",
+    "accept_sampled_with_uniforms",
+    "rule_tables",
+    "uniforms",
+]
+
 # ---- accept -------------------------------------------------------------------------------------
 # Probability matrices: 2-D float32/float64 numpy arrays or CPU torch tensors (read zero-copy).
 

@@ -272,7 +272,9 @@ def accept_sampled_torch(
     else:
         for i, x in enumerate(draft):
             if not 0 <= x < vocab:
-                raise ValueError(f"draft[{i}] = {x} is outside the vocabulary: ids must be in [0, {vocab})")
+                raise ValueError(
+                    f"draft[{i}] = {x} is outside the vocabulary: ids must be in [0, {vocab})"
+                )
         d = _to_device(draft, torch.long, device)
         d_in_range = None
 
@@ -296,7 +298,8 @@ def accept_sampled_torch(
     cdf = weights.double().cumsum(dim=-1)  # (k+1, V)
     total = cdf[:, -1:]  # (k+1, 1)
     # Stay strictly below the total so the search ends on a token with positive weight.
-    target = torch.minimum(u_sample[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum(u_sample[:, None] * total, below_total)
     samples = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (k+1,)
     n = torch.cumprod((u_accept < ratio).long(), dim=0).sum()  # accepted prefix length
     token = samples.gather(0, n.view(1))  # (1,)

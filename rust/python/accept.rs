@@ -89,6 +89,14 @@ fn extract_ids(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
             "{name} must be a sequence of token ids, got str"
         )));
     }
+    // Lists and tuples extract directly; arrays and tensors go through `.tolist()`.
+    let listed;
+    let obj = if obj.hasattr("tolist")? {
+        listed = obj.call_method0("tolist")?;
+        &listed
+    } else {
+        obj
+    };
     let ids: Vec<i64> = obj.extract().map_err(|_| {
         PyTypeError::new_err(format!(
             "{name} must be a sequence of int token ids (list, tuple, 1-D integer array)"
@@ -113,7 +121,8 @@ fn with_slices<T: Prob + numpy::Element, R>(
     f: impl FnOnce(&[T], Option<&[T]>) -> R,
 ) -> R {
     let p_owned;
-    let p_slice = if let Ok(s) = p.as_slice() {
+    // `as_slice` also accepts Fortran order; only C order is the row-major layout we need.
+    let p_slice = if let (true, Ok(s)) = (p.is_c_contiguous(), p.as_slice()) {
         s
     } else {
         p_owned = p.as_array().iter().copied().collect::<Vec<T>>();
@@ -122,7 +131,7 @@ fn with_slices<T: Prob + numpy::Element, R>(
     let q_owned;
     let q_slice = match q {
         None => None,
-        Some(q) => Some(if let Ok(s) = q.as_slice() {
+        Some(q) => Some(if let (true, Ok(s)) = (q.is_c_contiguous(), q.as_slice()) {
             s
         } else {
             q_owned = q.as_array().iter().copied().collect::<Vec<T>>();
@@ -217,9 +226,17 @@ fn accept_sampled_with_uniforms(
 
 /// The uniforms `accept_sampled(..., seed=seed)` uses for k draft tokens.
 #[pyfunction]
-fn uniforms(seed: u64, k: usize) -> (Vec<f64>, Vec<f64>) {
-    accept::uniforms(seed, k)
+fn uniforms(seed: u64, k: usize) -> PyResult<(Vec<f64>, Vec<f64>)> {
+    if k > MAX_DRAFT_LEN {
+        return Err(PyValueError::new_err(format!(
+            "k = {k} is too large; at most {MAX_DRAFT_LEN} draft tokens"
+        )));
+    }
+    Ok(accept::uniforms(seed, k))
 }
+
+/// A bound on k for `uniforms`, which allocates 2k + 1 draws before any matrix checks k.
+const MAX_DRAFT_LEN: usize = 1 << 20;
 
 /// The implemented rule as tables: acceptance probabilities (k) and the normalised correction /
 /// bonus distributions ((k + 1) × V, float64). For exact enumeration in tests.
