@@ -7,6 +7,7 @@
 //!
 //! All PyO3 code lives in the `python` module, compiled only with the `python` feature.
 
+pub mod accept;
 pub mod automaton;
 pub mod drafter;
 pub mod error;
