@@ -5,6 +5,8 @@ transformers is imported lazily, only when an HF model is actually used.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .model import Model
@@ -42,6 +44,9 @@ class HFDecoder:
         self.max_length = max_length
         self.cache = DynamicCache(config=cfg)
         self._length = 0
+        # transformers >= 5.24 names the cache argument `cache`; earlier ones `past_key_values`
+        params = inspect.signature(hf_model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @property
     def device(self) -> torch.device:
@@ -73,8 +78,8 @@ class HFDecoder:
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids.long()[None],
-                past_key_values=self.cache,
                 use_cache=True,
+                **{self._cache_kw: self.cache},
                 cache_position=positions,
                 position_ids=positions[None],
             )
@@ -87,7 +92,8 @@ class HFDecoder:
         if not 0 <= length <= self._length:
             raise ValueError(f"can only roll back to a length in [0, {self._length}], got {length}")
         if length < self._length:
-            self.cache.crop(length)
+            # a negative count removes that many tokens in every transformers version
+            self.cache.crop(length - self._length)
         self._length = length
 
     def reset(self) -> None:
