@@ -1,19 +1,28 @@
 """specfast: exact speculative decoding for local LLMs. Same text, sooner."""
 
-from specfast._core import NgramDrafter as NgramDrafter
+from specfast._core import NgramDrafter
+from specfast.generate import GenerateOutput, GenerationStats, generate
+from specfast.hf import HFDecoder, make_decoder
+from specfast.loading import default_model_path, load_model
+from specfast.model import Decoder, Model, ModelConfig
+from specfast.sampling import accept_greedy, accept_sampled, accept_sampled_torch, logits_to_probs
 
 __version__ = "0.1.0"
 
-from specfast.sampling import (
-    accept_greedy,
-    accept_sampled,
-    accept_sampled_torch,
-    logits_to_probs,
-)
-
 __all__ = [
+    "Decoder",
+    "GenerateOutput",
+    "GenerationStats",
+    "HFDecoder",
+    "Model",
+    "ModelConfig",
+    "NgramDrafter",
     "accept_greedy",
     "accept_sampled",
     "accept_sampled_torch",
+    "default_model_path",
+    "generate",
+    "load_model",
     "logits_to_probs",
+    "make_decoder",
 ]

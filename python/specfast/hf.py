@@ -1,0 +1,112 @@
+"""The transformers adapter: any causal LM behind the same decoder protocol as specfast's runtime.
+
+transformers is imported lazily, only when an HF model is actually used.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .model import Model
+
+
+def is_hf_model(obj) -> bool:
+    """True for a transformers model, checked without importing transformers."""
+    return any(c.__module__.startswith("transformers.") for c in type(obj).__mro__) and hasattr(
+        obj, "config"
+    )
+
+
+class HFDecoder:
+    """One sequence over a transformers causal LM. Rollback crops its DynamicCache.
+
+    forward(ids (T,)) -> float32 logits (T, V), appending T tokens, exactly as `Decoder`.
+    """
+
+    def __init__(self, hf_model, max_length: int | None = None):
+        from transformers import DynamicCache
+
+        if not is_hf_model(hf_model):
+            raise TypeError(f"expected a transformers model, got {type(hf_model).__name__}")
+        self.model = hf_model
+        cfg = hf_model.config
+        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+        self.max_context = getattr(cfg, "max_position_embeddings", None) or 2**31
+        max_length = self.max_context if max_length is None else max_length
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
+            raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+        if max_length > self.max_context:
+            raise ValueError(
+                f"max_length {max_length} exceeds the model's context of {self.max_context}"
+            )
+        self.max_length = max_length
+        self.cache = DynamicCache(config=cfg)
+        self._length = 0
+        # transformers >= 5.24 names the cache argument `cache`; earlier ones `past_key_values`
+        params = inspect.signature(hf_model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"ids must be a 1-D torch.LongTensor, got {type(ids).__name__}")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ids must be an integer (int64) tensor, got dtype {ids.dtype}")
+        if ids.dim() != 1 or ids.shape[0] == 0:
+            raise ValueError(f"ids must be 1-D and non-empty, got shape {tuple(ids.shape)}")
+        if ids.device != self.device:
+            raise ValueError(f"ids are on {ids.device} but the model is on {self.device}")
+        T, pos = ids.shape[0], self._length
+        if pos + T > self.max_length:
+            raise ValueError(
+                f"cannot append {T} tokens at length {pos}: the decoder holds at most "
+                f"{self.max_length} (max_length)"
+            )
+        lo, hi = torch.aminmax(ids)
+        if lo.item() < 0 or hi.item() >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got [{lo}, {hi}]")
+        positions = torch.arange(pos, pos + T, device=ids.device)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids.long()[None],
+                use_cache=True,
+                **{self._cache_kw: self.cache},
+                cache_position=positions,
+                position_ids=positions[None],
+            )
+        self._length = pos + T
+        return out.logits[0].float()  # (T, V)
+
+    def rollback(self, length: int) -> None:
+        if not isinstance(length, int) or isinstance(length, bool):
+            raise TypeError(f"rollback length must be an int, got {type(length).__name__}")
+        if not 0 <= length <= self._length:
+            raise ValueError(f"can only roll back to a length in [0, {self._length}], got {length}")
+        if length < self._length:
+            # a negative count removes that many tokens in every transformers version
+            self.cache.crop(length - self._length)
+        self._length = length
+
+    def reset(self) -> None:
+        self.rollback(0)
+
+
+def make_decoder(model, max_length: int | None = None):
+    """A decoder for a specfast Model or any transformers causal LM."""
+    if isinstance(model, Model):
+        return model.decoder(max_length)
+    if is_hf_model(model):
+        return HFDecoder(model, max_length)
+    raise TypeError(
+        f"expected a specfast Model (from load_model) or a transformers causal LM, "
+        f"got {type(model).__name__}"
+    )

@@ -1,0 +1,35 @@
+"""A static, preallocated KV cache whose rollback is an integer assignment."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per layer, keys and values for positions [0, max_length), and how many are valid.
+
+    Positions index the buffers directly (as in gpt-fast), so a write at position p overwrites
+    whatever a rolled-back sequence left there. Attention reads only [0, length + T).
+    """
+
+    def __init__(self, n_layers, n_kv_heads, max_length, head_dim, device, dtype):
+        shape = (n_layers, n_kv_heads, max_length, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layers, Hkv, S, hd)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_length = max_length
+        self.length = 0
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor):
+        """k, v (Hkv, T, hd) at positions [pos, pos+T) -> views of keys, values over [0, pos+T)."""
+        end = pos + k.shape[1]
+        kc, vc = self.k[layer], self.v[layer]
+        kc[:, pos:end] = k
+        vc[:, pos:end] = v
+        return kc[:, :end], vc[:, :end]  # (Hkv, end, hd): cost O(length), not O(max_length)
+
+    def rollback(self, length: int) -> None:
+        if not isinstance(length, int) or isinstance(length, bool):
+            raise TypeError(f"rollback length must be an int, got {type(length).__name__}")
+        if not 0 <= length <= self.length:
+            raise ValueError(f"can only roll back to a length in [0, {self.length}], got {length}")
+        self.length = length

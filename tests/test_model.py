@@ -1,0 +1,186 @@
+"""The runtime against itself: cached decoding == a full no-cache forward; rollback; bad input."""
+
+import pytest
+import torch
+from specfast import Model, ModelConfig
+from specfast.kv_cache import KVCache
+
+
+def full_logits(model, ids):
+    """Reference: one forward over the whole sequence into a fresh cache."""
+    cache = KVCache(
+        model.config.n_layers,
+        model.config.n_kv_heads,
+        len(ids),
+        model.config.head_dim,
+        model.device,
+        model.dtype,
+    )
+    with torch.inference_mode():
+        return model(ids, cache, 0).float()
+
+
+def naive_logits(model, ids):
+    """Reference with no cache and no SDPA: plain causal attention written out by hand."""
+    c = model.config
+    T = len(ids)
+    cos, sin = model.rope(T)
+    x = model.embed(ids)
+    for layer in model.layers:
+        h = torch.nn.functional.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps)
+        q, k, v = layer.wqkv(h).split(
+            [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1
+        )
+        q = q.view(T, c.n_heads, c.head_dim).transpose(0, 1)  # (H, T, hd)
+        k = k.view(T, c.n_kv_heads, c.head_dim).transpose(0, 1)
+        v = v.view(T, c.n_kv_heads, c.head_dim).transpose(0, 1)
+
+        def rot(t):
+            a, b = t.chunk(2, -1)
+            return t * cos[:T] + torch.cat([-b, a], -1) * sin[:T]
+
+        q, k = rot(q), rot(k)
+        g = c.n_heads // c.n_kv_heads
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        att = (q @ k.transpose(1, 2)) / c.head_dim**0.5
+        att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        y = (att.softmax(-1) @ v).transpose(0, 1).reshape(T, -1)
+        x = x + layer.wo(y)
+        h = torch.nn.functional.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
+        gate, up = layer.w_gate_up(h).chunk(2, -1)
+        x = x + layer.w_down(torch.nn.functional.silu(gate) * up)
+    x = torch.nn.functional.rms_norm(x, (c.dim,), model.norm, c.norm_eps)
+    w = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    return x @ w.T
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1))
+
+
+def test_full_forward_matches_naive_attention(tiny_model, ids):
+    with torch.inference_mode():
+        ref = naive_logits(tiny_model, ids)
+    torch.testing.assert_close(full_logits(tiny_model, ids), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 40, [7, 1, 16, 3, 13], [40]])
+def test_chunked_decoding_equals_full_forward(tiny_model, ids, chunks):
+    ref = full_logits(tiny_model, ids)
+    dec = tiny_model.decoder(64)
+    out, at = [], 0
+    for n in chunks:
+        out.append(dec.forward(ids[at : at + n]))
+        at += n
+        assert dec.length == at
+    torch.testing.assert_close(torch.cat(out), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rollback_then_reforward_is_identical(tiny_model, ids):
+    ref = full_logits(tiny_model, ids)
+    dec = tiny_model.decoder(64)
+    dec.forward(ids[:20])
+    junk = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(5))
+    for _ in range(3):  # speculate wrong tokens, reject them, continue with the right ones
+        a = dec.forward(junk)
+        dec.rollback(20)
+        b = dec.forward(junk)
+        assert torch.equal(a, b)
+        dec.rollback(20)
+    rest = dec.forward(ids[20:])
+    torch.testing.assert_close(rest, ref[20:], atol=1e-5, rtol=1e-5)
+    dec.rollback(5)
+    assert dec.length == 5
+    torch.testing.assert_close(dec.forward(ids[5:12]), ref[5:12], atol=1e-5, rtol=1e-5)
+
+
+def test_rollback_is_needed(tiny_model, ids):
+    """Negative control: without the rollback, stale tokens stay in context and logits differ."""
+    ref = full_logits(tiny_model, ids)
+    dec = tiny_model.decoder(64)
+    dec.forward(ids[:20])
+    dec.forward(ids[:5])  # not rolled back
+    assert not torch.allclose(dec.forward(ids[20:22]), ref[20:22], atol=1e-3)
+
+
+def test_decoders_are_independent(tiny_model, ids):
+    a, b = tiny_model.decoder(64), tiny_model.decoder(64)
+    la = a.forward(ids[:10])
+    b.forward(ids[20:35])
+    torch.testing.assert_close(a.forward(ids[10:15]), full_logits(tiny_model, ids[:15])[10:])
+    assert b.length == 15 and a.length == 15
+    assert torch.equal(la, full_logits(tiny_model, ids[:10]))
+
+
+def test_bfloat16_close_to_float32(tiny_model, ids):
+    ref = full_logits(tiny_model, ids)
+    bf = Model.from_config(tiny_model.config, seed=0, dtype="bfloat16")
+    assert bf.dtype == torch.bfloat16
+    dec = bf.decoder(64)
+    out = torch.cat([dec.forward(ids[:30]), dec.forward(ids[30:31]), dec.forward(ids[31:])])
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_rope_scaling_changes_positions_only_far_out():
+    base = dict(vocab_size=50, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=32)
+    scaled = dict(rope_type="linear", factor=4.0)
+    a = Model.from_config(ModelConfig(**base), seed=3)
+    b = Model.from_config(ModelConfig(**base, rope_scaling=scaled), seed=3)
+    ids = torch.arange(20) % 50
+    assert not torch.allclose(a.decoder(32).forward(ids), b.decoder(32).forward(ids))
+    with pytest.raises(ValueError, match="unsupported rope scaling"):
+        Model.from_config(ModelConfig(**base, rope_scaling={"rope_type": "yarn"})).decoder(8)
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc", "msg"),
+    [
+        ([1, 2], TypeError, "LongTensor"),
+        (torch.tensor([1.0, 2.0]), TypeError, "integer"),
+        (torch.tensor([], dtype=torch.long), ValueError, "non-empty"),
+        (torch.tensor([[1, 2]]), ValueError, "1-D"),
+        (torch.tensor([1, 300]), ValueError, r"\[0, 300\)"),
+        (torch.tensor([-1]), ValueError, r"\[0, 300\)"),
+        (torch.zeros(17, dtype=torch.long), ValueError, "max_length"),
+        (torch.tensor([1], device="meta"), ValueError, "model is on cpu"),
+    ],
+)
+def test_bad_input(tiny_model, bad, exc, msg):
+    dec = tiny_model.decoder(16)
+    with pytest.raises(exc, match=msg):
+        dec.forward(bad)
+    assert dec.length == 0
+
+
+def test_bad_lengths_and_config(tiny_model):
+    with pytest.raises(ValueError, match="context"):
+        tiny_model.decoder(257)
+    with pytest.raises(ValueError, match="positive int"):
+        tiny_model.decoder(0)
+    dec = tiny_model.decoder(16)
+    dec.forward(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"\[0, 3\]"):
+        dec.rollback(4)
+    with pytest.raises(ValueError):
+        dec.rollback(-1)
+    with pytest.raises(TypeError):
+        dec.rollback(1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        ModelConfig(n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="dtype"):
+        Model.from_config(ModelConfig(), dtype="float16")
+    with pytest.raises(ValueError, match="dtype"):
+        Model.from_config(ModelConfig(), dtype=torch.int64)
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu(tiny_model, ids):
+    ref = full_logits(tiny_model, ids)
+    gpu = Model.from_config(tiny_model.config, seed=0, device="cuda")
+    dec = gpu.decoder(64)
+    out = torch.cat([dec.forward(ids[:25].cuda()), dec.forward(ids[25:].cuda())]).cpu()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="model is on"):
+        dec.forward(ids[:1])
