@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from specfast import NgramDrafter
 
 SIZES = [1_024, 32_768, 131_072]

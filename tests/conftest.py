@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from specfast.model import Model, ModelConfig
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,8 +9,9 @@ import contextlib
 
 import numpy as np
 import pytest
-import specfast
 import torch
+
+import specfast
 from specfast import _core
 from specfast.sampling import _rule
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import specfast
 import torch
+
+import specfast
 
 N = 50_000
 ALPHA = 1e-4

@@ -5,8 +5,9 @@ import threading
 
 import numpy as np
 import pytest
-import specfast
 import torch
+
+import specfast
 from specfast import NgramDrafter
 
 POLICIES = ["earliest", "recent", "frequent"]

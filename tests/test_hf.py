@@ -1,8 +1,9 @@
 """The runtime against transformers on tiny random models, and the transformers adapter."""
 
 import pytest
-import specfast
 import torch
+
+import specfast
 from specfast import HFDecoder, make_decoder
 
 pytest.importorskip("transformers")

@@ -7,8 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-import specfast
 import torch
+
+import specfast
 from specfast import load_model
 
 # ---------------------------------------------------------------------------- SmolLM2 GGUF

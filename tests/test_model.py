@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from specfast import Model, ModelConfig
 from specfast.kv_cache import KVCache
 

@@ -46,7 +46,7 @@ accept_greedy = _core.accept_greedy
 # Sampling transforms
 
 
-def _check_params(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+def check_sampling_params(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not math.isfinite(temperature) or temperature < 0:
@@ -84,7 +84,7 @@ def logits_to_probs(
     devices the check would cost a host sync, so it is left to `accept_sampled_torch`, which
     checks the probabilities inside its one sync.
     """
-    _check_params(temperature, top_k, top_p, min_p)
+    check_sampling_params(temperature, top_k, top_p, min_p)
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if not logits.is_floating_point():
@@ -324,3 +324,32 @@ def accept_sampled_torch(
             )
         raise ValueError(f"a draft id is outside the vocabulary: ids must be in [0, {vocab})")
     return [*payload[3 : 3 + n_host], token_host]
+
+
+# ---------------------------------------------------------------------------------------------
+# One-hot drafts: sampling keyed by position
+
+
+def position_uniforms(seed: int, start: int, n: int) -> torch.Tensor:
+    """Uniforms in [0, 1) for absolute positions start..start+n-1 of a generation: SplitMix64 of
+    (seed, position), float64 (n,). The draw at a position never depends on how rounds fell."""
+    import numpy as np
+
+    pos = np.arange(start + 1, start + n + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) + pos * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of each row of probs (n, V) with uniforms (n,): token ids (n,), on the
+    probs' device, with no host sync. Never returns a token of probability 0."""
+    cdf = probs.double().cumsum(dim=-1)  # (n, V)
+    u = uniforms.to(cdf.device, non_blocking=True) * cdf[:, -1]
+    # right=True: the first index whose cdf exceeds u, so zero-probability tokens (flat cdf)
+    # are never chosen.
+    ids = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
+    return ids.clamp_(max=probs.shape[-1] - 1)

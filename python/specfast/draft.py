@@ -1,0 +1,113 @@
+"""Draft-model drafting: a smaller model of the same vocabulary proposes k tokens.
+
+The drafter keeps its own decoder (static KV cache for specfast models, a cropped cache for
+transformers ones). It is told only the committed tokens; on each propose() it rolls its cache
+back to the longest prefix that is still committed, catches up on the rest (the corrected or
+bonus token, at least), and then runs k autoregressive steps.
+
+When sampling, each draft token is drawn from q = logits_to_probs(draft logits, same
+temperature/top-k/top-p/min-p as the target), and that very tensor is what `draft_probs` hands
+to the acceptance rule, so the q in the ratio is the q sampled from by construction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specfast.runtime import make_decoder, model_facts, tokenizer_vocab
+from specfast.sampling import logits_to_probs
+
+
+class DraftModelDrafter:
+    def __init__(
+        self,
+        model,
+        *,
+        target,
+        max_length: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        seed: int = 0,
+    ):
+        check_same_vocabulary(target, model)
+        _, _, self.device = model_facts(model)
+        self.model = model
+        self.decoder = make_decoder(model, max_length)
+        self.greedy = temperature == 0
+        self.sampling = dict(
+            temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, min_p=min_p or 0.0
+        )
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.committed: list[int] = []
+        self.cached: list[int] = []  # the tokens whose keys/values sit in the draft cache
+        self._known = 0
+        self.draft_probs: torch.Tensor | None = None  # (k, V) q of the last proposal, sampling only
+
+    def extend(self, tokens) -> None:
+        self.committed.extend(int(t) for t in tokens)
+
+    def reset(self) -> None:
+        self.committed.clear()
+        self.cached.clear()
+        self._known = 0
+        self.decoder.rollback(0)
+
+    def __len__(self) -> int:
+        return len(self.committed)
+
+    def propose(self, k: int) -> list[int]:
+        if not self.committed or k <= 0:
+            return []
+        # Roll back to the longest cached prefix that was committed (drafts that were accepted
+        # stay), then feed the rest; the last committed token is always fed.
+        known = self._known  # cached[:known] is committed for sure; compare only the drafts
+        keep = known + _common_prefix(self.cached[known:], self.committed[known:])
+        keep = min(keep, len(self.committed) - 1)
+        self.decoder.rollback(keep)
+        feed = torch.tensor(self.committed[keep:], dtype=torch.long, device=self.device)
+        drafts, qs = [], []
+        for _ in range(k):
+            logits = self.decoder.forward(feed)[-1:]  # (1, V)
+            if self.greedy:
+                nxt = logits.argmax(dim=-1)  # (1,), stays on the device: no sync per step
+            else:
+                q = logits_to_probs(logits, **self.sampling)  # (1, V)
+                nxt = torch.multinomial(q, 1, generator=self.generator)[0]
+                qs.append(q)
+            drafts.append(nxt)
+            feed = nxt
+        tokens = torch.cat(drafts).tolist()  # the one host sync of the proposal
+        self._known = len(self.committed)
+        self.cached = self.committed + tokens[:-1]
+        self.draft_probs = torch.cat(qs) if qs else None
+        return tokens
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def check_same_vocabulary(target, draft) -> None:
+    """Raises ValueError unless target and draft share a vocabulary (size and token strings)."""
+    t_size, _, t_device = model_facts(target)
+    d_size, _, d_device = model_facts(draft)
+    if t_size != d_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({d_size} tokens) differs from the target's "
+            f"({t_size}); a draft model must share the target's vocabulary"
+        )
+    if t_device != d_device:
+        raise ValueError(f"the draft model is on {d_device} but the target is on {t_device}")
+    t_vocab, d_vocab = tokenizer_vocab(target), tokenizer_vocab(draft)
+    if t_vocab is not None and d_vocab is not None and t_vocab != d_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()))[:3]
+        raise ValueError(
+            f"the draft model's tokenizer maps tokens differently from the target's "
+            f"(e.g. {differ}); a draft model must share the target's vocabulary"
+        )

@@ -1,0 +1,419 @@
+"""The speculative decoding loop: propose, verify in one target pass, accept, roll back.
+
+A round is: drafter.extend(committed) -> drafter.propose(k) -> target forward over
+[last, d1..dk] -> acceptance -> KV rollback. The target's cache always holds every committed
+token but the last; that one is fed at the start of the next round, as in gpt-fast. With no
+proposal a round is exactly one step of plain decoding, so `drafter=None` is the fair baseline:
+the same loop, the same runtime, no speculation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from specfast._core import NgramDrafter, accept_greedy, accept_sampled
+from specfast.autok import AutoK
+from specfast.sampling import (
+    accept_sampled_torch,
+    check_sampling_params,
+    logits_to_probs,
+    position_uniforms,
+    sample_rows,
+)
+
+MAX_SPECULATIVE_TOKENS = 64
+
+
+@dataclass
+class GenerationStats:
+    """What a generate() call did. `mean_acceptance_length` is vLLM's: 1 + accepted / steps."""
+
+    target_passes: int = 0  # every target forward, prefill included
+    draft_tokens: int = 0  # tokens proposed and verified
+    accepted_tokens: int = 0  # proposed tokens that were committed
+    acceptance_histogram: list[int] = field(default_factory=list)  # [n] = rounds accepting n
+    new_tokens: int = 0
+    seconds: float = 0.0  # wall time, prefill included
+    prefill_seconds: float = 0.0
+
+    @property
+    def decode_steps(self) -> int:
+        return max(self.target_passes - 1, 0)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.decode_steps if self.decode_steps else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "target_passes": self.target_passes,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "new_tokens": self.new_tokens,
+            "tokens_per_second": self.tokens_per_second,
+            "seconds": self.seconds,
+            "prefill_seconds": self.prefill_seconds,
+        }
+
+
+@dataclass
+class GenerateOutput:
+    token_ids: list[int]  # new tokens only
+    text: str | None
+    stats: GenerationStats
+    finish_reason: str  # "length" | "eos" | "stop_string"
+
+
+# ----------------------------------------------------------------------------
+# argument checking
+
+
+def _check_k(num_speculative_tokens) -> int | None:
+    """Returns the fixed k, or None for "auto"."""
+    if num_speculative_tokens == "auto":
+        return None
+    k = num_speculative_tokens
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f'num_speculative_tokens must be "auto" or an int, got {k!r}')
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] or 'auto', got {k}"
+        )
+    return k
+
+
+def _prompt_ids(prompt, tokenizer, vocab_size: int, device: torch.device) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a str prompt needs a tokenizer: pass tokenizer= or token ids")
+        ids = _encode(tokenizer, prompt)
+    elif isinstance(prompt, torch.Tensor):
+        if prompt.dtype in (torch.bool,) or prompt.dtype.is_floating_point or prompt.is_complex():
+            raise TypeError(f"a tensor prompt must hold integer token ids, got {prompt.dtype}")
+        if prompt.device.type != device.type:
+            raise ValueError(
+                f"prompt is on {prompt.device} but the model is on {device}; move it first"
+            )
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1:
+            raise ValueError(f"a tensor prompt must be 1-D (or (1, T)), got {tuple(prompt.shape)}")
+        ids = prompt.tolist()
+    elif isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+            raise TypeError(
+                f"a numpy prompt must be 1-D integers, got {prompt.dtype} {prompt.shape}"
+            )
+        ids = prompt.tolist()
+    elif isinstance(prompt, Sequence):
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"prompt ids must be ints, got {type(t).__name__}: {t!r}")
+        ids = [int(t) for t in ids]
+    else:
+        raise TypeError(
+            f"prompt must be a str, a list of ints or a 1-D integer tensor, got {type(prompt)}"
+        )
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt ids must be in [0, {vocab_size}); got {bad[:5]}")
+    return ids
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    enc = tokenizer.encode(text)
+    return list(enc.ids) if hasattr(enc, "ids") else list(enc)
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------
+# the loop
+
+
+def generate(
+    model,
+    prompt,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    streamer: Any = None,
+    drafter: Any = "ngram",
+    num_speculative_tokens: int | str = "auto",
+    tokenizer: Any = None,
+    ignore_eos: bool = False,
+) -> GenerateOutput:
+    """Generates up to `max_new_tokens` tokens; greedy output is what the model alone gives.
+
+    `model` is a specfast model (load_model) or a transformers causal LM. `drafter` is "ngram",
+    None (plain decoding in the same loop), an NgramDrafter, or a draft model sharing the
+    target's vocabulary. `streamer` is a transformers-style streamer (`put`/`end`) or a callable
+    that receives text as tokens are committed. `ignore_eos` keeps going past EOS (benchmarks).
+    """
+    from specfast.draft import DraftModelDrafter
+    from specfast.runtime import is_model, make_decoder, model_facts
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    params = dict(temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, min_p=min_p or 0.0)
+    if top_p == 0:
+        params["top_p"] = 0.0  # `or` would turn it into "off"; let the check refuse it
+    check_sampling_params(**params)
+    fixed_k = _check_k(num_speculative_tokens)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed}")
+    if not is_model(model):
+        raise TypeError(
+            f"model must be a specfast model (load_model) or a transformers causal LM, "
+            f"got {type(model).__name__}"
+        )
+
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    vocab_size, max_context, device = model_facts(model)
+    prompt_ids = _prompt_ids(prompt, tokenizer, vocab_size, device)
+    if len(prompt_ids) + max_new_tokens > max_context:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's context of {max_context} tokens"
+        )
+    eos_ids = _eos_ids(eos_token_id, model, tokenizer, ignore_eos)
+    stops = _stop_strings(stop_strings, tokenizer)
+    greedy = temperature == 0
+    seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    sampling = None if greedy else (seed, params)
+
+    # The drafter: None, an n-gram index over the committed tokens, or a draft model.
+    if isinstance(drafter, str):
+        if drafter != "ngram":
+            raise ValueError(
+                f'drafter must be "ngram", None, an NgramDrafter or a model: {drafter!r}'
+            )
+        drafter = NgramDrafter()
+    elif drafter is not None and is_model(drafter):
+        drafter = DraftModelDrafter(
+            drafter,
+            target=model,
+            max_length=len(prompt_ids) + max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+        )
+    elif drafter is not None and not (hasattr(drafter, "propose") and hasattr(drafter, "extend")):
+        raise TypeError(
+            'drafter must be "ngram", None, an NgramDrafter or a draft model, '
+            f"got {type(drafter).__name__}"
+        )
+    auto = AutoK(draft_model=isinstance(drafter, DraftModelDrafter)) if fixed_k is None else None
+    stats = GenerationStats(acceptance_histogram=[0] * ((fixed_k or MAX_SPECULATIVE_TOKENS) + 1))
+    emit = _Emitter(streamer, tokenizer, prompt_ids, eos_ids, stops, max_new_tokens)
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        decoder = make_decoder(model, len(prompt_ids) + max_new_tokens)
+        prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+        logits = decoder.forward(prompt_t)[-1:]  # (1, V)
+        first = _choose(logits, [], None, 0, sampling)
+        stats.target_passes = 1
+        stats.prefill_seconds = time.perf_counter() - start
+        emit.commit(*first)
+        if drafter is not None:
+            drafter.extend(prompt_ids)
+            drafter.extend(emit.token_ids)
+
+        while not emit.done:
+            budget = max_new_tokens - len(emit.token_ids) - 1  # proposals past this are wasted
+            k = min(fixed_k if fixed_k is not None else auto.choose(), budget)
+            draft, q = [], None
+            t0 = time.perf_counter()
+            if drafter is not None and k > 0:
+                draft = list(drafter.propose(k))[:k]
+                q = getattr(drafter, "draft_probs", None) if not greedy and draft else None
+            t1 = time.perf_counter()
+            ids = torch.tensor([emit.token_ids[-1], *draft], dtype=torch.long, device=device)
+            logits = decoder.forward(ids)  # (1 + len(draft), V)
+            out = _choose(logits, draft, q, len(emit.token_ids), sampling)
+            if auto is not None:
+                auto.observe(len(draft), len(out) - 1, time.perf_counter() - t1, t1 - t0)
+            n_accepted = len(out) - 1
+            # Keep [last, accepted drafts] in the cache; the new token goes in next round.
+            decoder.rollback(decoder.length - len(draft) + n_accepted)
+            committed = emit.commit(*out)
+            stats.target_passes += 1
+            stats.draft_tokens += len(draft)
+            stats.accepted_tokens += min(n_accepted, committed)
+            stats.acceptance_histogram[n_accepted] += 1
+            if drafter is not None:
+                drafter.extend(emit.token_ids[-committed:])
+    stats.seconds = time.perf_counter() - start
+    stats.new_tokens = len(emit.token_ids)
+    emit.end()
+    if fixed_k is None:
+        # Trim the histogram to the longest run seen so "auto" output stays readable.
+        last = max((i for i, n in enumerate(stats.acceptance_histogram) if n), default=0)
+        stats.acceptance_histogram = stats.acceptance_histogram[: last + 1]
+    text = _decode(tokenizer, emit.token_ids) if tokenizer is not None else None
+    return GenerateOutput(emit.token_ids, text, stats, emit.finish_reason)
+
+
+def _choose(logits, draft, q, pos, sampling) -> list[int]:
+    """The tokens one target pass commits: accepted drafts plus the target's own token.
+
+    `pos` is the absolute output position of the pass's first row; `sampling` is None for
+    greedy, else (seed, logits_to_probs keyword arguments).
+    """
+    if sampling is None:
+        return accept_greedy(draft, logits.argmax(dim=-1).tolist())  # one sync: k+1 ids
+    seed, params = sampling
+    probs = logits_to_probs(logits, **params)  # (k+1, V) float32, on the model's device
+    if q is None:
+        # One-hot drafts (n-gram, or none): draw every row's token from p with the uniform of
+        # its absolute position, and keep drafts while they equal the draw. Accepting d with
+        # probability p(d) and otherwise drawing from p with d removed is the residual rule
+        # for a one-hot q, so this is exact; and because a position's draw never depends on k,
+        # a seed gives the very text plain sampling gives, with or without speculation.
+        return accept_greedy(
+            draft, sample_rows(probs, position_uniforms(seed, pos, len(probs))).tolist()
+        )
+    # A draft model's q: the ratio test and the residual max(0, p - q), one seed per round.
+    round_seed = int(position_uniforms(seed ^ 0x5EED, pos, 1)[0] * 2**53)
+    if probs.device.type == "cpu":
+        return accept_sampled(probs.numpy(), draft, q.float().numpy(), seed=round_seed)
+    return accept_sampled_torch(probs, draft, q, seed=round_seed)
+
+
+def _eos_ids(eos_token_id, model, tokenizer, ignore_eos: bool) -> set[int]:
+    if ignore_eos:
+        return set()
+    if eos_token_id is None:
+        return set(getattr(model, "eos_token_ids", None) or _hf_eos(model))
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"eos_token_id must be an int or a list of ints, got {t!r}")
+    return set(ids)
+
+
+def _hf_eos(model) -> list[int]:
+    config = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if config is None:
+        config = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if config is None:
+        return []
+    return [config] if isinstance(config, int) else list(config)
+
+
+def _stop_strings(stop_strings, tokenizer) -> list[str]:
+    if stop_strings is None:
+        return []
+    stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
+    if stops and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer: pass tokenizer= or use eos_token_id")
+    return stops
+
+
+class _Emitter:
+    """Commits tokens one at a time: EOS, stop strings and max_new_tokens cut inside a block."""
+
+    def __init__(self, streamer, tokenizer, prompt_ids, eos_ids, stops, max_new_tokens):
+        self.streamer, self.tokenizer = streamer, tokenizer
+        self.eos_ids, self.stops, self.max_new_tokens = eos_ids, stops, max_new_tokens
+        self.token_ids: list[int] = []
+        self.finish_reason = ""
+        self._text = ""  # decoded output so far, kept only when stop strings or a callback need it
+        self._needs_text = bool(stops) or (callable(streamer) and not hasattr(streamer, "put"))
+        if streamer is not None and hasattr(streamer, "put"):
+            streamer.put(torch.tensor([prompt_ids]))  # TextStreamer(skip_prompt=True) skips this
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    def commit(self, *tokens: int) -> int:
+        """Commits tokens until one ends the generation; returns how many were committed."""
+        n = 0
+        for t in tokens:
+            if self.done:
+                break
+            self.token_ids.append(t)
+            n += 1
+            if t in self.eos_ids:
+                self.finish_reason = "eos"
+            elif self._needs_text:
+                self._check_text()
+            if not self.finish_reason and len(self.token_ids) >= self.max_new_tokens:
+                self.finish_reason = "length"
+        self._stream(self.token_ids[len(self.token_ids) - n :])
+        return n
+
+    def _check_text(self) -> None:
+        text = _decode(self.tokenizer, self.token_ids)
+        new_from = max(len(self._text) - max(map(len, self.stops), default=0), 0)
+        self._text_delta = text[len(self._text) :]
+        self._text = text
+        if any(s in text[new_from:] for s in self.stops):
+            self.finish_reason = "stop_string"
+
+    def _stream(self, new: list[int]) -> None:
+        if self.streamer is None or not new:
+            return
+        if hasattr(self.streamer, "put"):
+            self.streamer.put(torch.tensor(new))
+        else:
+            self.streamer(self._pop_text())
+
+    def _pop_text(self) -> str:
+        text = _decode(self.tokenizer, self.token_ids) if self.tokenizer is not None else ""
+        # Hold back a trailing replacement char: a multi-byte character may be half-committed.
+        stable = text.rstrip("\ufffd")
+        delta, self._sent = stable[len(getattr(self, "_sent", "")) :], stable
+        return delta
+
+    def end(self) -> None:
+        if self.streamer is None:
+            return
+        if hasattr(self.streamer, "end"):
+            self.streamer.end()
+        elif self.tokenizer is not None:
+            text = _decode(self.tokenizer, self.token_ids)
+            sent = getattr(self, "_sent", "")
+            if len(text) > len(sent):
+                self.streamer(text[len(sent) :])
+
+
+StreamCallback = Callable[[str], None]

@@ -1,0 +1,365 @@
+"""generate(): greedy exactness, bookkeeping, seeds and bad input, on tiny random models."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import specfast
+from specfast.model import Model, ModelConfig
+
+CONFIGS = {
+    "llama-gqa-untied": ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2),
+    "llama-mha-tied": ModelConfig(
+        vocab_size=80, dim=48, n_layers=3, n_heads=4, n_kv_heads=4, tie_embeddings=True
+    ),
+    "qwen2-bias": ModelConfig(
+        vocab_size=128, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, attn_bias=True, arch="qwen2"
+    ),
+}
+
+
+def tiny(name: str = "llama-gqa-untied", seed: int = 0) -> Model:
+    return Model.from_config(CONFIGS[name], seed=seed)
+
+
+def prompt_for(model: Model, n: int = 24, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    # A prompt that repeats itself, so the n-gram drafter finds matches.
+    part = [rng.randrange(model.vocab_size) for _ in range(n // 2)]
+    return part + part
+
+
+def plain(model, prompt, n, **kw) -> list[int]:
+    return specfast.generate(model, prompt, max_new_tokens=n, drafter=None, **kw).token_ids
+
+
+class OracleDrafter:
+    """Proposes the true greedy continuation, corrupted now and then, so rounds accept long
+    blocks, partial blocks and nothing, in a mix that the n-gram drafter rarely gives on random
+    weights."""
+
+    def __init__(self, prompt, truth, corrupt=0.3, vocab=2, seed=0, gap_every=0):
+        self.seq: list[int] = []  # generate() feeds the prompt, then each committed block
+        self.full = list(prompt) + list(truth)
+        self.rng = random.Random(seed)
+        self.corrupt, self.vocab, self.gap_every = corrupt, vocab, gap_every
+        self.calls = 0
+        self.lengths_at_propose: list[int] = []
+
+    def extend(self, tokens):
+        self.seq.extend(int(t) for t in tokens)
+
+    def propose(self, k):
+        self.calls += 1
+        self.lengths_at_propose.append(len(self.seq))
+        if self.gap_every and self.calls % self.gap_every == 0:
+            return []
+        out = self.full[len(self.seq) : len(self.seq) + k]
+        return [
+            (t + 1) % self.vocab if self.rng.random() < self.corrupt / max(k, 1) else t for t in out
+        ]
+
+
+# ----------------------------------------------------------------------------
+# greedy exactness
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 16, "auto"])
+def test_ngram_greedy_equals_plain(name, k):
+    model = tiny(name)
+    prompt = prompt_for(model)
+    want = plain(model, prompt, 40)
+    out = specfast.generate(model, prompt, max_new_tokens=40, num_speculative_tokens=k)
+    assert out.token_ids == want
+    assert out.stats.new_tokens == 40
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 16])
+def test_oracle_drafts_greedy_equals_plain(name, k):
+    model = tiny(name, seed=1)
+    prompt = prompt_for(model, seed=1)
+    want = plain(model, prompt, 48)
+    d = OracleDrafter(prompt, want, vocab=model.vocab_size, seed=k)
+    out = specfast.generate(model, prompt, max_new_tokens=48, drafter=d, num_speculative_tokens=k)
+    assert out.token_ids == want
+    assert out.stats.accepted_tokens > 0  # the drafts were really used
+    assert out.stats.target_passes < 48 or k == 1
+
+
+def test_draft_model_greedy_equals_plain():
+    target, draft = tiny("llama-gqa-untied", seed=0), tiny("llama-gqa-untied", seed=1)
+    draft.tokenizer = target.tokenizer
+    prompt = prompt_for(target)
+    want = plain(target, prompt, 40)
+    for k in (1, 3, 8, "auto"):
+        out = specfast.generate(
+            target, prompt, max_new_tokens=40, drafter=draft, num_speculative_tokens=k
+        )
+        assert out.token_ids == want
+
+
+def test_target_as_its_own_draft_accepts_everything():
+    model = tiny()
+    prompt = prompt_for(model)
+    out = specfast.generate(
+        model, prompt, max_new_tokens=31, drafter=model, num_speculative_tokens=4
+    )
+    assert out.token_ids == plain(model, prompt, 31)
+    assert out.stats.accepted_tokens == out.stats.draft_tokens
+    assert out.stats.mean_acceptance_length == 5.0
+
+
+def test_vocabulary_mismatch_is_refused():
+    target = tiny("llama-gqa-untied")
+    draft = tiny("llama-mha-tied")
+    with pytest.raises(ValueError, match="vocabulary"):
+        specfast.generate(target, [1, 2, 3], max_new_tokens=4, drafter=draft)
+
+
+# ----------------------------------------------------------------------------
+# bookkeeping
+
+
+class RecordingDecoder:
+    """Wraps a decoder and records its length at every forward."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    @property
+    def length(self):
+        return self.inner.length
+
+    def forward(self, ids):
+        self.log.append((self.inner.length, ids.shape[0]))
+        return self.inner.forward(ids)
+
+    def rollback(self, n):
+        self.inner.rollback(n)
+
+
+def test_cache_length_equals_committed_every_round(monkeypatch):
+    import specfast.runtime
+
+    model = tiny()
+    prompt = prompt_for(model)
+    want = plain(model, prompt, 40)
+    log: list[tuple[int, int]] = []
+    real = specfast.runtime.make_decoder
+    monkeypatch.setattr(
+        specfast.runtime, "make_decoder", lambda m, n: RecordingDecoder(real(m, n), log)
+    )
+    d = OracleDrafter(prompt, want, vocab=model.vocab_size, gap_every=3)
+    out = specfast.generate(model, prompt, max_new_tokens=40, drafter=d, num_speculative_tokens=6)
+    assert out.token_ids == want
+    # Round r starts with every committed token but the last in the cache.
+    assert log[0] == (0, len(prompt))
+    assert [length for length, _ in log[1:]] == [n - 1 for n in d.lengths_at_propose]
+    assert any(n == 1 for _, n in log[1:]) and any(n > 1 for _, n in log[1:])
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 5, 8, 13, 21])
+def test_max_new_tokens_is_exact_mid_draft(limit):
+    model = tiny()
+    prompt = prompt_for(model)
+    want = plain(model, prompt, 30)
+    d = OracleDrafter(prompt, want, corrupt=0.0)
+    out = specfast.generate(
+        model, prompt, max_new_tokens=limit, drafter=d, num_speculative_tokens=8
+    )
+    assert out.token_ids == want[:limit]
+    assert out.finish_reason == "length"
+
+
+def test_eos_inside_accepted_block_truncates():
+    model = tiny()
+    prompt = prompt_for(model)
+    want = plain(model, prompt, 30)
+    eos = want[9]
+    cut = want.index(eos) + 1
+    d = OracleDrafter(prompt, want, corrupt=0.0)
+    out = specfast.generate(
+        model, prompt, max_new_tokens=30, drafter=d, num_speculative_tokens=16, eos_token_id=eos
+    )
+    assert out.token_ids == want[:cut]
+    assert out.finish_reason == "eos"
+    assert out.stats.accepted_tokens <= cut
+
+
+class LetterTokenizer:
+    """Token t decodes to one letter: enough to test stop strings without a real vocabulary."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+    def encode(self, text):
+        return [ord(c) - 97 for c in text]
+
+
+def test_stop_string_inside_accepted_block_truncates():
+    model = tiny()
+    prompt = prompt_for(model)
+    want = plain(model, prompt, 30)
+    tok = LetterTokenizer()
+    stop = tok.decode(want[10:13])
+    text = tok.decode(want)
+    cut = text.index(stop) + len(stop)  # one letter per token
+    d = OracleDrafter(prompt, want, corrupt=0.0)
+    out = specfast.generate(
+        model,
+        prompt,
+        max_new_tokens=30,
+        drafter=d,
+        num_speculative_tokens=16,
+        stop_strings=[stop],
+        tokenizer=tok,
+    )
+    assert out.token_ids == want[:cut]
+    assert out.text == text[:cut]
+    assert out.finish_reason == "stop_string"
+
+
+def test_drafter_after_rejections_equals_one_rebuilt():
+    model = tiny()
+    prompt = prompt_for(model)
+    d = specfast.NgramDrafter()
+    out = specfast.generate(model, prompt, max_new_tokens=40, drafter=d, num_speculative_tokens=4)
+    rebuilt = specfast.NgramDrafter()
+    rebuilt.extend(prompt + out.token_ids)
+    assert len(d) == len(rebuilt) == len(prompt) + 40
+    for k in (1, 4, 16):
+        assert d.propose(k) == rebuilt.propose(k)
+
+
+def test_streamer_receives_every_committed_token():
+    model = tiny()
+    prompt = prompt_for(model)
+    chunks: list[str] = []
+    tok = LetterTokenizer()
+    out = specfast.generate(model, prompt, max_new_tokens=25, streamer=chunks.append, tokenizer=tok)
+    assert "".join(chunks) == out.text == tok.decode(out.token_ids)
+
+
+def test_transformers_style_streamer_gets_prompt_then_tokens():
+    model = tiny()
+    prompt = prompt_for(model)
+
+    class Streamer:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    s = Streamer()
+    out = specfast.generate(model, prompt, max_new_tokens=20, streamer=s)
+    assert s.puts[0] == prompt
+    assert [t for put in s.puts[1:] for t in put] == out.token_ids and s.ended
+
+
+def test_stats_add_up():
+    model = tiny()
+    prompt = prompt_for(model)
+    out = specfast.generate(model, prompt, max_new_tokens=40, num_speculative_tokens=4)
+    s = out.stats
+    assert s.new_tokens == 40
+    assert sum(s.acceptance_histogram) == s.target_passes - 1
+    assert sum(i * n for i, n in enumerate(s.acceptance_histogram)) >= s.accepted_tokens
+    # Every pass but the prefill commits 1 + accepted tokens (less where the limit cut a block).
+    assert s.target_passes - 1 + s.accepted_tokens + 1 >= 40
+    assert s.mean_acceptance_length == pytest.approx(1 + s.accepted_tokens / (s.target_passes - 1))
+
+
+# ----------------------------------------------------------------------------
+# sampling: seeds
+
+
+def test_same_seed_same_output():
+    model = tiny()
+    prompt = prompt_for(model)
+    runs = [
+        specfast.generate(
+            model, prompt, max_new_tokens=30, temperature=0.9, top_p=0.95, seed=7
+        ).token_ids
+        for _ in range(5)
+    ]
+    assert all(r == runs[0] for r in runs)
+    other = specfast.generate(model, prompt, max_new_tokens=30, temperature=0.9, seed=8).token_ids
+    assert other != runs[0]
+
+
+# ----------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(prompt=[]), ValueError, "empty"),
+        (dict(prompt=[1, 96]), ValueError, "in \\[0, 96\\)"),
+        (dict(prompt=[-1]), ValueError, "in \\[0, 96\\)"),
+        (dict(prompt=[1.5]), TypeError, "ints"),
+        (dict(prompt=torch.tensor([1.0, 2.0])), TypeError, "integer"),
+        (dict(prompt=np.zeros((2, 2), dtype=np.int64)), TypeError, "1-D"),
+        (dict(prompt="hello"), ValueError, "tokenizer"),
+        (dict(prompt=object()), TypeError, "prompt must be"),
+        (dict(max_new_tokens=0), ValueError, ">= 1"),
+        (dict(max_new_tokens=5000), ValueError, "context"),
+        (dict(temperature=-0.1), ValueError, "temperature"),
+        (dict(temperature=float("nan")), ValueError, "temperature"),
+        (dict(temperature=1.0, top_p=0.0), ValueError, "top_p"),
+        (dict(temperature=1.0, top_p=1.5), ValueError, "top_p"),
+        (dict(temperature=1.0, top_k=-1), ValueError, "top_k"),
+        (dict(temperature=1.0, min_p=2.0), ValueError, "min_p"),
+        (dict(num_speculative_tokens=0), ValueError, "num_speculative_tokens"),
+        (dict(num_speculative_tokens=-3), ValueError, "num_speculative_tokens"),
+        (dict(num_speculative_tokens="many"), TypeError, "num_speculative_tokens"),
+        (dict(drafter="suffix"), ValueError, "drafter"),
+        (dict(drafter=42), TypeError, "drafter"),
+        (dict(seed=-1), ValueError, "seed"),
+        (dict(stop_strings=[""]), ValueError, "stop_strings"),
+    ],
+)
+def test_bad_input_is_refused(kwargs, exc, match):
+    model = tiny()
+    args = dict(prompt=[1, 2, 3], max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        specfast.generate(model, **args)
+
+
+def test_not_a_model_is_refused():
+    with pytest.raises(TypeError, match="model"):
+        specfast.generate("SmolLM2", [1, 2, 3])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+def test_prompt_on_another_device_is_refused():
+    with pytest.raises(ValueError, match="device"):
+        specfast.generate(tiny(), torch.tensor([1, 2, 3], device="cuda"))
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, "auto"])
+def test_sampled_ngram_gives_plain_sampling_text_for_the_same_seed(k):
+    # Draws are keyed by output position, so speculation with one-hot drafts changes the speed
+    # of sampling, never its result. A per-round seed (the obvious design) fails this.
+    model = tiny("qwen2-bias")
+    prompt = prompt_for(model)
+    kw = dict(max_new_tokens=40, temperature=0.8, top_k=50, seed=11)
+    want = specfast.generate(model, prompt, drafter=None, **kw).token_ids
+    d = OracleDrafter(prompt, [], vocab=model.vocab_size)
+    d.full = list(prompt) + want  # propose the very tokens plain sampling drew
+    out = specfast.generate(model, prompt, drafter=d, num_speculative_tokens=k, **kw)
+    assert out.token_ids == want
+    assert out.stats.accepted_tokens > 0
+    ngram = specfast.generate(model, prompt, num_speculative_tokens=k, **kw)
+    assert ngram.token_ids == want

@@ -1,0 +1,147 @@
+"""Level 2 (DESIGN.md §4.2): the joint distribution of the first 3 tokens through the whole
+generate() loop equals the model's exact joint, with one-hot drafts; and the same test, at the
+same N, catches a loop that skips the KV rollback or takes the bonus from the wrong position."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+import specfast
+import specfast.runtime
+from specfast.model import Model, ModelConfig
+
+# `specfast.generate` is the function; the loop's module is patched for the negative controls.
+generate_module = importlib.import_module("specfast.generate")
+
+V = 4  # 64 joint outcomes over 3 tokens
+PROMPT = [1, 2, 3, 0, 2]
+N = 3000
+ALPHA = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    m = Model.from_config(
+        ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2), seed=3
+    )
+    # Random init gives near-uniform next-token distributions, which cannot tell a right rule
+    # from a wrong one. Sharpen the logits so every context has its own, uneven distribution.
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3.0)
+    return m
+
+
+def exact_next(model, context: list[int]) -> np.ndarray:
+    dec = model.decoder(len(context))
+    logits = dec.forward(torch.tensor(context))[-1].double()
+    return torch.softmax(logits, -1).numpy()
+
+
+@pytest.fixture(scope="module")
+def exact_joint(model) -> np.ndarray:
+    joint = np.zeros((V, V, V))
+    p1 = exact_next(model, PROMPT)
+    for a in range(V):
+        p2 = exact_next(model, [*PROMPT, a])
+        for b in range(V):
+            p3 = exact_next(model, [*PROMPT, a, b])
+            joint[a, b] = p1[a] * p2[b] * p3
+    return joint
+
+
+class GreedyTableDrafter:
+    """One-hot drafts: the exact model's most likely next token, so drafts are often accepted
+    (the bonus position is exercised) and often rejected (the residual and rollback are)."""
+
+    def __init__(self, model, memo):
+        self.model, self.seq, self.memo = model, [], memo
+
+    def extend(self, tokens):
+        self.seq.extend(tokens)
+
+    def propose(self, k):
+        out, ctx = [], list(self.seq)
+        for _ in range(k):
+            key = tuple(ctx)
+            if key not in self.memo:
+                self.memo[key] = int(np.argmax(exact_next(self.model, ctx)))
+            t = self.memo[key]
+            out.append(t)
+            ctx.append(t)
+        return out
+
+
+def sample_joint(model, n: int) -> np.ndarray:
+    counts = np.zeros((V, V, V))
+    memo: dict[tuple[int, ...], int] = {}
+    for seed in range(n):
+        out = specfast.generate(
+            model,
+            PROMPT,
+            max_new_tokens=3,
+            temperature=1.0,
+            seed=seed,
+            drafter=GreedyTableDrafter(model, memo),
+            num_speculative_tokens=1,
+            ignore_eos=True,
+        )
+        counts[tuple(out.token_ids)] += 1
+    return counts
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson χ² with bins of expected count < 5 merged into one."""
+    counts, expected = counts.ravel(), probs.ravel() * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    assert np.all(obs[~keep] == 0), "a token with probability 0 was emitted"
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+
+
+def test_joint_of_first_three_tokens_is_exact(model, exact_joint):
+    assert chi2_pvalue(sample_joint(model, N), exact_joint) > ALPHA
+
+
+class NoRollback:
+    def __init__(self, inner):
+        self.inner = inner
+
+    length = property(lambda self: self.inner.length)
+
+    def forward(self, ids):
+        return self.inner.forward(ids)
+
+    def rollback(self, n):
+        pass  # the bug: rejected drafts stay in the cache and condition later tokens
+
+
+def test_negative_control_no_rollback_is_caught(model, exact_joint, monkeypatch):
+    real = specfast.runtime.make_decoder
+    monkeypatch.setattr(specfast.runtime, "make_decoder", lambda m, n: NoRollback(real(m, n + 4)))
+    assert chi2_pvalue(sample_joint(model, N), exact_joint) < ALPHA
+
+
+def test_negative_control_bonus_from_wrong_position_is_caught(model, exact_joint, monkeypatch):
+    real = generate_module.sample_rows
+
+    def bonus_from_previous_row(probs, uniforms):
+        # The bug: the bonus (the row after the last draft) is drawn from row k-1, not row k.
+        if len(probs) > 1:
+            probs = torch.cat([probs[:-1], probs[-2:-1]])
+        return real(probs, uniforms)
+
+    monkeypatch.setattr(generate_module, "sample_rows", bonus_from_previous_row)
+    assert chi2_pvalue(sample_joint(model, N), exact_joint) < ALPHA
+
+
+def test_exact_joint_sums_to_one(exact_joint):
+    assert exact_joint.sum() == pytest.approx(1.0, abs=1e-12)
