@@ -339,6 +339,11 @@ def machine_label(meta: dict[str, Any]) -> str:
     return f"{meta.get('cpu', 'CPU')}, {meta.get('cpu_count', '?')} cores"
 
 
+def plot_title(model_path: str | Path, dtype: str, max_new_tokens: int, meta: dict) -> str:
+    name = Path(model_path).name.removesuffix(".gguf")
+    return f"{name}, {dtype}, greedy, {max_new_tokens} new tokens, on {machine_label(meta)}"
+
+
 def write_json(path: Path, meta: dict[str, Any], runs: Sequence[Run], summary: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -378,7 +383,7 @@ def plot_speedup(summary: dict, path: Path, title: str) -> Path:
         if has_hf
         else ("speedup_vs_specfast_plain", "specfast plain")
     )
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 + 0.9 * len(kinds) * len(engines) * 0.35), 4.8))
+    fig, ax = plt.subplots(figsize=(max(8.0, 2.5 + 0.45 * len(kinds) * len(engines)), 5.0))
     width = 0.8 / max(1, len(engines))
     top = 1.0
     for i, eng in enumerate(engines):
@@ -407,7 +412,7 @@ def plot_speedup(summary: dict, path: Path, title: str) -> Path:
     ax.set_ylabel(f"speedup over {base} (× tokens/s, median)")
     ax.set_ylim(0, top * 1.18)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, ncol=min(3, len(engines)), loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="engine")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -436,8 +441,11 @@ def plot_sweep(summary: dict, path: Path, title: str) -> Path:
         plain = engines.get("specfast-plain", {}).get("tokens_per_second")
         if plain:
             ax_t.axhline(plain, color=color, linestyle=":", linewidth=1)
+    all_ks = sorted({k for v in summary.values() for e in v if (k := sweep_k(e)) is not None})
     for ax in (ax_t, ax_a):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(all_ks, [str(k) for k in all_ks])
+        ax.minorticks_off()
         ax.set_xlabel("k (speculative tokens per round)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -658,8 +666,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             {"kind": k, "name": name, "prompt_tokens": len(ids)} for k, name, ids in prompts
         ],
     }
-    model_name = Path(model_path).name
-    title = f"{model_name} ({args.dtype}, greedy, {n} new tokens) on {machine_label(meta)}"
+    title = plot_title(model_path, args.dtype, n, meta)
     main_summary = {
         k: {e: f for e, f in v.items() if sweep_k(e) is None} for k, v in summary.items()
     }
@@ -668,10 +675,10 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     out = Path(args.out)
     js = write_json(out / "results.json", meta, runs, summary)
     (out / "results.md").write_text(format_markdown(main_summary) + "\n")
-    png = plot_speedup(main_summary, out / "speedup.png", f"speedup per workload: {title}")
+    png = plot_speedup(main_summary, out / "speedup.png", f"Speedup per workload kind\n{title}")
     print(f"\nwrote {js}, {out / 'results.md'} and {png}", file=sys.stderr)
     if args.sweep_k:
-        sw = plot_sweep(summary, out / "sweep_k.png", f"specfast ngram vs k: {title}")
+        sw = plot_sweep(summary, out / "sweep_k.png", f"specfast ngram against k\n{title}")
         print(f"wrote {sw}", file=sys.stderr)
     print("acceptance depends on the workload: read each kind on its own.", file=sys.stderr)
     return 0
