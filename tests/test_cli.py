@@ -216,12 +216,13 @@ def test_tables_json_and_plots(tmp_path):
     assert "| code-edit | specfast-ngram | 250.0 | 5.00× | 2.50× | 2.00 | 2/2 |" in md
 
     meta = bench.machine_info("cpu") | {"command": "specfast bench", "dtype": "float32"}
-    js = bench.write_json(tmp_path / "r" / "results.json", meta, runs, summary)
+    js = bench.write_json(tmp_path / "r" / "results.json", meta, runs, summary, [3])
     doc = json.loads(js.read_text())
     for key in ("date", "cpu", "torch", "dtype", "command"):
         assert doc["meta"][key]
     assert doc["summary"]["open"]["hf-plain"]["tokens_per_second"] > 0
     assert len(doc["runs"]) == len(runs) and "tokens_per_second" in doc["runs"][0]
+    assert {r["first_eos"] for r in doc["runs"]} == {2, None}  # [1, 2, 3, 4] / [1, 2, 9, 9]
 
     main = {k: {e: f for e, f in v.items() if bench.sweep_k(e) is None} for k, v in summary.items()}
     title = bench.plot_title("SmolLM2-135M-Instruct.Q4_1.gguf", "float32", 128, meta)

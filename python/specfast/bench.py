@@ -344,12 +344,31 @@ def plot_title(model_path: str | Path, dtype: str, max_new_tokens: int, meta: di
     return f"{name}, {dtype}, greedy, {max_new_tokens} new tokens, on {machine_label(meta)}"
 
 
-def write_json(path: Path, meta: dict[str, Any], runs: Sequence[Run], summary: dict) -> Path:
+def _first(tokens: Sequence[int], ids: Sequence[int]) -> int | None:
+    return next((i for i, t in enumerate(tokens) if t in ids), None)
+
+
+def write_json(
+    path: Path,
+    meta: dict[str, Any],
+    runs: Sequence[Run],
+    summary: dict,
+    eos_token_ids: Sequence[int] = (),
+) -> Path:
+    """results.json: meta (machine, versions, command), the summary, and every timed run.
+
+    EOS is disabled while benchmarking; `first_eos` says where the model would have stopped.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
+    eos = set(eos_token_ids)
     doc = {
-        "meta": meta,
+        "meta": meta | {"eos_token_ids": sorted(eos)},
         "summary": summary,
-        "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in runs],
+        "runs": [
+            asdict(r)
+            | {"tokens_per_second": r.tokens_per_second, "first_eos": _first(r.token_ids, eos)}
+            for r in runs
+        ],
     }
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return path
@@ -673,7 +692,13 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
 
     print(format_tables(main_summary))
     out = Path(args.out)
-    js = write_json(out / "results.json", meta, runs, summary)
+    eos_ids: list[int] = []
+    if sf_model is not None:
+        eos_ids = list(getattr(sf_model, "eos_token_ids", None) or [])
+    elif hf_model is not None:
+        e = hf_model.generation_config.eos_token_id
+        eos_ids = [e] if isinstance(e, int) else list(e or [])
+    js = write_json(out / "results.json", meta, runs, summary, eos_ids)
     (out / "results.md").write_text(format_markdown(main_summary) + "\n")
     png = plot_speedup(main_summary, out / "speedup.png", f"Speedup per workload kind\n{title}")
     print(f"\nwrote {js}, {out / 'results.md'} and {png}", file=sys.stderr)
