@@ -618,6 +618,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         import transformers
 
         transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()  # keep stderr for our own progress bar
         hf_model = load_hf_model(model_path, args.dtype, args.device)
         if args.draft and "hf-assisted" in engines_wanted:
             hf_draft = load_hf_model(args.draft, args.dtype, args.device)
