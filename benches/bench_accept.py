@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import specfast
 import torch
+
+import specfast
 
 
 def numpy_reference(p: np.ndarray, draft: list[int], seed: int) -> list[int]:

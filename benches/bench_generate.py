@@ -20,6 +20,7 @@ Environment:
 import os
 
 import pytest
+
 import specfast
 from specfast import bench
 from specfast.workloads import KINDS, build_workloads

