@@ -51,10 +51,35 @@ def test_smollm_metadata(smollm):
     assert smollm.tokenizer.id_to_token(2) == "<|im_end|>"
 
 
-@pytest.mark.smollm
-def test_gguf_loads_without_transformers(smollm_gguf):
+@pytest.mark.parametrize("kind", ["llama-untied-mha", "llama-tied-gqa", "qwen2-bias"])
+def test_tiny_gguf_matches_transformers(kind, tmp_path):
+    """A tiny model written as llama.cpp writes GGUF (permuted Q/K for llama) loads back exactly."""
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model, write_tiny_gguf
+
+    hf_model = make_hf_model(kind)
+    path = write_tiny_gguf(hf_model, tmp_path / "tiny.gguf")
+    model = load_model(path)
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf_model(ids[None]).logits[0]
+    dec = model.decoder(32)
+    out = torch.cat([dec.forward(ids[:16]), dec.forward(ids[16:17]), dec.forward(ids[17:])])
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert model.eos_token_ids == [319]
+    text = "the rain in spain <|end|> stays"
+    enc = model.tokenizer.encode(text)
+    assert 319 in enc.ids and model.tokenizer.decode(enc.ids, skip_special_tokens=False) == text
+    assert model.tokenizer.token_to_id("ta") is not None
+
+
+def test_gguf_loads_without_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model, write_tiny_gguf
+
+    path = write_tiny_gguf(make_hf_model("llama-tied-gqa"), tmp_path / "tiny.gguf")
     code = (
-        "import sys, specfast; m = specfast.load_model(); "
+        f"import sys, specfast; m = specfast.load_model({str(path)!r}); "
         "assert m.tokenizer.encode('hi there').ids; "
         "assert 'transformers' not in sys.modules, 'transformers was imported'"
     )
