@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,3 +129,72 @@ def smollm(smollm_gguf):
     from specfast import load_model
 
     return load_model(smollm_gguf)
+
+
+def llama_cpp_permute(w, n_head):
+    """convert_hf_to_gguf.py's `permute`, as llama.cpp applies it to Q/K rows of llama models."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_tiny_gguf(hf_model, path):
+    """Write a transformers llama/qwen2 model as llama.cpp would (F32 tensors, permuted Q/K for
+    llama), with a tiny byte-level BPE tokenizer of vocab_size tokens."""
+    import gguf
+
+    cfg = hf_model.config
+    arch = cfg.model_type
+    sd = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    # tokenizer: 256 byte tokens, merged pairs, one control token at the end
+    from specfast.loading import _bytes_to_unicode
+
+    spelling = _bytes_to_unicode()
+    tokens = [spelling[b] for b in range(256)]
+    letters = "etaoinsrhl"
+    merges = [f"{a} {b}" for a in letters for b in letters][: cfg.vocab_size - 257]
+    tokens += [m.replace(" ", "") for m in merges] + ["<|end|>"]
+    assert len(tokens) == cfg.vocab_size
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(len(tokens) - 1)
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    permute = arch == "llama"
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = dict(
+        attn_norm="input_layernorm", ffn_norm="post_attention_layernorm",
+        attn_q="self_attn.q_proj", attn_k="self_attn.k_proj", attn_v="self_attn.v_proj",
+        attn_output="self_attn.o_proj", ffn_gate="mlp.gate_proj", ffn_up="mlp.up_proj",
+        ffn_down="mlp.down_proj",
+    )  # fmt: skip
+    for i in range(cfg.num_hidden_layers):
+        for ours, theirs in names.items():
+            for kind in ("weight", "bias"):
+                t = sd.get(f"model.layers.{i}.{theirs}.{kind}")
+                if t is None:
+                    continue
+                if permute and ours in ("attn_q", "attn_k"):
+                    t = llama_cpp_permute(t, nh if ours == "attn_q" else nkv)
+                w.add_tensor(f"blk.{i}.{ours}.{kind}", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -32,14 +32,24 @@ def real_texts():
 
 
 @pytest.fixture(scope="module")
-def hf_smollm(smollm_gguf):
+def hf_smollm_tokenizer(smollm_gguf):
     transformers = pytest.importorskip("transformers")
-    kw = dict(gguf_file=smollm_gguf.name)
-    tok = transformers.AutoTokenizer.from_pretrained(smollm_gguf.parent, **kw)
+    folder, name = smollm_gguf.parent, smollm_gguf.name
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm(smollm_gguf, hf_smollm_tokenizer):
+    """transformers' own GGUF loader, dequantizing the same file: the reference."""
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm_gguf.parent, torch_dtype=torch.float32, **kw
+        smollm_gguf.parent,
+        gguf_file=smollm_gguf.name,
+        dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True),
     )
-    return model.eval(), tok
+    return model.eval(), hf_smollm_tokenizer
 
 
 @pytest.mark.smollm
@@ -52,27 +62,53 @@ def test_smollm_metadata(smollm):
     assert smollm.tokenizer.id_to_token(2) == "<|im_end|>"
 
 
-@pytest.mark.smollm
-def test_gguf_loads_without_transformers(smollm_gguf):
+@pytest.mark.parametrize("kind", ["llama-untied-mha", "llama-tied-gqa", "qwen2-bias"])
+def test_tiny_gguf_matches_transformers(kind, tmp_path):
+    """A tiny model written as llama.cpp writes GGUF (permuted Q/K for llama) loads back exactly."""
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model, write_tiny_gguf
+
+    hf_model = make_hf_model(kind)
+    path = write_tiny_gguf(hf_model, tmp_path / "tiny.gguf")
+    model = load_model(path)
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf_model(ids[None]).logits[0]
+    dec = model.decoder(32)
+    out = torch.cat([dec.forward(ids[:16]), dec.forward(ids[16:17]), dec.forward(ids[17:])])
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert model.eos_token_ids == [319]
+    text = "the rain in spain <|end|> stays"
+    enc = model.tokenizer.encode(text)
+    assert 319 in enc.ids and model.tokenizer.decode(enc.ids, skip_special_tokens=False) == text
+    assert model.tokenizer.token_to_id("ta") is not None
+
+
+def test_gguf_loads_without_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model, write_tiny_gguf
+
+    path = write_tiny_gguf(make_hf_model("llama-tied-gqa"), tmp_path / "tiny.gguf")
     code = (
-        "import sys, specfast; m = specfast.load_model(); "
+        f"import sys, specfast; m = specfast.load_model({str(path)!r}); "
         "assert m.tokenizer.encode('hi there').ids; "
         "assert 'transformers' not in sys.modules, 'transformers was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.smollm
 def test_smollm_logits_match_transformers_gguf(smollm, hf_smollm):
     hf_model, hf_tok = hf_smollm
     text = real_texts()[1]
     ids = torch.tensor(hf_tok(text)["input_ids"])
     with torch.no_grad():
-        ref = hf_model(ids[None]).logits[0]
+        ref = hf_model(ids[None, :20]).logits[0]
     dec = smollm.decoder(128)
-    out = torch.cat([dec.forward(ids[:20]), *(dec.forward(ids[i : i + 1]) for i in range(20, 30))])
-    torch.testing.assert_close(out, ref[:30], atol=2e-3, rtol=1e-3)
-    assert torch.equal(out.argmax(-1), ref[:30].argmax(-1))
+    out = torch.cat([dec.forward(ids[:16]), *(dec.forward(ids[i : i + 1]) for i in range(16, 20))])
+    torch.testing.assert_close(out, ref[:20], atol=2e-3, rtol=1e-3)
+    assert torch.equal(out.argmax(-1), ref[:20].argmax(-1))
 
 
 def llama_cpp_permute(w, n_head):
@@ -97,8 +133,8 @@ def test_unpermute_inverts_llama_cpp_permute(rows, n_head):
 
 @pytest.mark.smollm
 @pytest.mark.parametrize("i", range(4))
-def test_tokenizer_matches_transformers(smollm, hf_smollm, i):
-    _, hf_tok = hf_smollm
+def test_tokenizer_matches_transformers(smollm, hf_smollm_tokenizer, i):
+    hf_tok = hf_smollm_tokenizer
     text = real_texts()[i]
     ours = smollm.tokenizer.encode(text).ids
     assert ours == hf_tok(text)["input_ids"]

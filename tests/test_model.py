@@ -114,6 +114,26 @@ def test_decoders_are_independent(tiny_model, ids):
     assert torch.equal(la, full_logits(tiny_model, ids[:10]))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prepacked_weights_match_plain_linear(tiny_model, ids, dtype):
+    model = Model.from_config(tiny_model.config, seed=0, dtype=dtype)
+    packed = model.decoder(64).forward(ids)
+    model.prepack = False
+    model.unpack()
+    assert model.packed_weights() is None
+    plain = model.decoder(64).forward(ids)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(packed, plain, atol=tol, rtol=tol)
+
+
+def test_unpack_after_editing_weights(tiny_model, ids):
+    before = tiny_model.decoder(64).forward(ids)
+    with torch.no_grad():
+        tiny_model.layers[0].w_down.weight.mul_(2)
+    tiny_model.unpack()
+    assert not torch.allclose(tiny_model.decoder(64).forward(ids), before, atol=1e-4)
+
+
 def test_bfloat16_close_to_float32(tiny_model, ids):
     ref = full_logits(tiny_model, ids)
     bf = Model.from_config(tiny_model.config, seed=0, dtype="bfloat16")
