@@ -2,47 +2,77 @@
 
 Leviathan et al.: with a per-token acceptance rate a, a round that verifies k drafts yields
 (1 - a^(k+1)) / (1 - a) tokens on average and costs one target pass over k+1 tokens (plus k
-draft steps for a draft model). We pick the k that maximises tokens per second under the
-current estimates, and k = 0 (plain decoding) when nothing pays.
+draft steps for a draft model). Each round we pick the k that maximises tokens per second under
+the current estimates, and k = 0 (plain decoding) when nothing pays.
 
 Both estimates are measured online, so the rule adapts to the machine and dtype: on a CPU in
 bfloat16 a pass over 9 tokens costs about what a pass over 1 does, so any acceptance pays; in
-float32 each extra token costs ~5-10% and low acceptance switches speculation off. While off, a
-short probe round runs with exponential backoff so a workload that starts repeating is noticed.
+float32 each extra token costs more and weak evidence switches speculation off.
+
+For the n-gram drafter the acceptance rate is kept per bucket of match length: a 12-token match
+is right far more often than a 1-token one, and one global rate would let the many short,
+useless matches of open text switch off the long, valuable ones of quoted text (or the reverse).
+A bucket whose rate says "off" is probed now and then, with exponential backoff, so a workload
+that starts repeating is noticed.
 """
 
 from __future__ import annotations
 
 CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of match length
+
+
+def match_bucket(match_length: int | None) -> int | None:
+    if match_length is None:
+        return None  # a draft model: one rate for everything
+    return max((b for b in MATCH_BUCKETS if b <= match_length), default=0)
+
+
+class _Rate:
+    """A decayed count of accepted drafts and of rejections (rounds that stopped early)."""
+
+    def __init__(self, prior: float, weight: float = 2.0):
+        self.accepts, self.rejects = prior * weight, (1 - prior) * weight
+        self.off_rounds, self.probe_every = 0, 4
+
+    @property
+    def value(self) -> float:
+        return self.accepts / (self.accepts + self.rejects)
 
 
 class AutoK:
-    def __init__(self, max_k: int = 16, draft_model: bool = False, decay: float = 0.9):
+    def __init__(self, max_k: int = 16, decay: float = 0.9):
         self.max_k = max_k
-        self.draft_model = draft_model
         self.decay = decay
-        # Acceptance, as decayed counts of accepted tokens and of rejections (a round that
-        # stopped before its last draft). Prior: 1 accept, 1 reject -> a = 0.5.
-        self.accepts, self.rejects = 1.0, 1.0
-        # Pass cost t(n) = base + slope * (n - 1), fitted from decayed sums per n.
+        self._rates: dict[int | None, _Rate] = {}
+        # Pass cost t(n) = intercept + slope * n, fitted from decayed sums per n.
         self._sums: dict[int, list[float]] = {}  # n -> [weight, total seconds]
         self.draft_step_seconds = 0.0  # a draft model's cost per proposed token
-        self._off_rounds = 0
-        self._probe_every = 4
 
-    @property
-    def acceptance(self) -> float:
-        return self.accepts / (self.accepts + self.rejects)
+    def _rate(self, bucket: int | None) -> _Rate:
+        if bucket not in self._rates:
+            # Prior: longer matches are likelier right (a = L / (L + 1.5)); a draft model: 0.6.
+            prior = 0.6 if bucket is None else bucket / (bucket + 1.5)
+            self._rates[bucket] = _Rate(prior)
+        return self._rates[bucket]
 
-    def observe(self, n_draft: int, n_accepted: int, seconds: float, draft_seconds: float = 0.0):
+    def acceptance(self, match_length: int | None = None) -> float:
+        return self._rate(match_bucket(match_length)).value
+
+    def observe(
+        self,
+        n_draft: int,
+        n_accepted: int,
+        seconds: float,
+        draft_seconds: float = 0.0,
+        match_length: int | None = None,
+    ) -> None:
         """Records one round: drafts verified, drafts accepted, and the target pass time."""
         if n_draft:
-            self.accepts = self.decay * self.accepts + n_accepted
-            self.rejects = self.decay * self.rejects + (n_accepted < n_draft)
-            if n_accepted:
-                self._probe_every = 4  # the workload repeats again: probe often
-            else:
-                self._probe_every = min(self._probe_every * 2, 256)
+            r = self._rate(match_bucket(match_length))
+            r.accepts = self.decay * r.accepts + n_accepted
+            r.rejects = self.decay * r.rejects + (n_accepted < n_draft)
+            r.probe_every = 4 if n_accepted else min(r.probe_every * 2, 256)
             if draft_seconds:
                 per = draft_seconds / n_draft
                 d = self.draft_step_seconds
@@ -64,27 +94,25 @@ class AutoK:
         my = sum(means.values()) / len(xs)
         var = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (means[x] - my) for x in xs) / var if var else 0.0
-        intercept = my - slope * mx
-        return max(intercept + slope * n, base * 0.5)
+        return max(my + slope * (n - mx), base * 0.5)
 
-    def expected_tokens(self, k: int) -> float:
-        a = min(self.acceptance, 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
-
-    def choose(self) -> int:
-        best_k, best_rate = 0, 0.0
-        for k in CANDIDATES:
+    def choose(self, match_length: int | None = None) -> int:
+        """k for this round; 0 means plain decoding. match_length 0: the n-gram has nothing."""
+        if match_length == 0:
+            return 0
+        r = self._rate(match_bucket(match_length))
+        a = min(r.value, 0.999)
+        best_k, best_rate = 0, 1.0 / self.pass_seconds(1)
+        for k in CANDIDATES[1:]:
             if k > self.max_k:
                 break
             cost = self.pass_seconds(k + 1) + k * self.draft_step_seconds
-            rate = self.expected_tokens(k) / cost
+            rate = (1 - a ** (k + 1)) / (1 - a) / cost
             if rate > best_rate * 1.001:
                 best_k, best_rate = k, rate
         if best_k:
-            self._off_rounds = 0
+            r.off_rounds = 0
             return best_k
-        # Off: probe now and then so a workload that starts repeating is noticed.
-        self._off_rounds += 1
-        if self._off_rounds % self._probe_every == 0:
-            return 2
-        return 0
+        # Off for this bucket: probe now and then so a change of workload is noticed.
+        r.off_rounds += 1
+        return 2 if r.off_rounds % r.probe_every == 0 else 0

@@ -237,7 +237,7 @@ def generate(
             'drafter must be "ngram", None, an NgramDrafter or a draft model, '
             f"got {type(drafter).__name__}"
         )
-    auto = AutoK(draft_model=isinstance(drafter, DraftModelDrafter)) if fixed_k is None else None
+    auto = AutoK() if fixed_k is None else None
     stats = GenerationStats(acceptance_histogram=[0] * ((fixed_k or MAX_SPECULATIVE_TOKENS) + 1))
     emit = _Emitter(streamer, tokenizer, prompt_ids, eos_ids, stops, max_new_tokens)
 
@@ -256,10 +256,14 @@ def generate(
 
         while not emit.done:
             budget = max_new_tokens - len(emit.token_ids) - 1  # proposals past this are wasted
-            k = min(fixed_k if fixed_k is not None else auto.choose(), budget)
+            match = getattr(drafter, "match_length", None)  # n-gram evidence, None for a model
+            if drafter is None:
+                k = 0
+            else:
+                k = min(fixed_k if fixed_k is not None else auto.choose(match), budget)
             draft, q = [], None
             t0 = time.perf_counter()
-            if drafter is not None and k > 0:
+            if k > 0:
                 draft = list(drafter.propose(k))[:k]
                 q = getattr(drafter, "draft_probs", None) if not greedy and draft else None
             t1 = time.perf_counter()
@@ -267,7 +271,7 @@ def generate(
             logits = decoder.forward(ids)  # (1 + len(draft), V)
             out = _choose(logits, draft, q, len(emit.token_ids), sampling)
             if auto is not None:
-                auto.observe(len(draft), len(out) - 1, time.perf_counter() - t1, t1 - t0)
+                auto.observe(len(draft), len(out) - 1, time.perf_counter() - t1, t1 - t0, match)
             n_accepted = len(out) - 1
             # Keep [last, accepted drafts] in the cache; the new token goes in next round.
             decoder.rollback(decoder.length - len(draft) + n_accepted)
