@@ -68,7 +68,7 @@ def part_path(target: Path, module: str) -> Path:
         sys.path.remove(str(target))
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit(f"error: package {module} not found in {target}")
-    pkg_dir = Path(list(spec.submodule_search_locations)[0])
+    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
     if pkg_dir.parent.resolve() != target.resolve():
         raise SystemExit(f"error: {module} resolved outside {target}: {pkg_dir}")
     bins = sorted((pkg_dir / "data").glob("*.bin"))
@@ -93,8 +93,19 @@ def assemble(out_dir: Path, name: str, prefix: str, n: int, version: str, sha: s
         reqs = [f"{prefix}{i}=={version}" for i in range(1, n + 1)]
         print(f"{name}: installing {n} parts packages into {target}", file=sys.stderr)
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir",
-             "--disable-pip-version-check", "--quiet", "--target", str(target), *reqs],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-deps",
+                "--no-cache-dir",
+                "--disable-pip-version-check",
+                "--quiet",
+                "--target",
+                str(target),
+                *reqs,
+            ],
             check=True,
         )
         h = hashlib.sha256()
@@ -122,8 +133,9 @@ def assemble(out_dir: Path, name: str, prefix: str, n: int, version: str, sha: s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR,
-                    help=f"cache directory (default: {DEFAULT_DIR})")
+    ap.add_argument(
+        "--dir", type=Path, default=DEFAULT_DIR, help=f"cache directory (default: {DEFAULT_DIR})"
+    )
     args = ap.parse_args(argv)
     out_dir = args.dir.expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
