@@ -18,7 +18,7 @@ else
 fi
 
 echo "== specfast generate: a code edit, where the answer repeats the prompt =="
-"${SPECFAST[@]}" generate --chat --max-new-tokens 96 --prompt "Rename the variable \`total\` to \`running_sum\` in this function and return the whole function:
+"${SPECFAST[@]}" generate --chat --dtype bfloat16 --max-new-tokens 96 --prompt "Rename the variable \`total\` to \`running_sum\` in this function and return the whole function:
 
 def mean(values):
     total = 0
@@ -31,8 +31,8 @@ def mean(values):
     return total / count"
 
 echo
-echo "== specfast bench: one prompt per workload kind, 64 new tokens, float32 =="
+echo "== specfast bench: one prompt per workload kind, 64 new tokens, bfloat16 =="
 "${SPECFAST[@]}" bench --workloads code-edit,quote,complete,open --prompts-per-workload 1 \
-    --repeats 1 --max-new-tokens 64 --out bench-results/demo
+    --repeats 1 --max-new-tokens 64 --dtype bfloat16 --out bench-results/demo
 echo
 echo "plot: bench-results/demo/speedup.png   results: bench-results/demo/results.json"

@@ -363,3 +363,84 @@ def test_sampled_ngram_gives_plain_sampling_text_for_the_same_seed(k):
     assert out.stats.accepted_tokens > 0
     ngram = specfast.generate(model, prompt, num_speculative_tokens=k, **kw)
     assert ngram.token_ids == want
+
+
+# ----------------------------------------------------------------------------
+# draft models: combined drafting, and the draft's own cache
+
+
+def test_combined_drafter_greedy_equals_plain():
+    target, draft = tiny("llama-gqa-untied", seed=0), tiny("llama-gqa-untied", seed=2)
+    prompt = prompt_for(target)
+    want = plain(target, prompt, 40)
+    for k in (2, 8, "auto"):
+        d = specfast.CombinedDrafter(draft, min_match=2)
+        out = specfast.generate(
+            target, prompt, max_new_tokens=40, drafter=d, num_speculative_tokens=k
+        )
+        assert out.token_ids == want
+
+
+class ContentDecoder:
+    """Wraps a decoder and tracks what its cache holds: forward writes at length, rollback cuts."""
+
+    def __init__(self, inner, skip_rollback=False):
+        self.inner, self.content, self.skip_rollback = inner, [], skip_rollback
+        self._length = 0
+
+    @property
+    def length(self):
+        return self._length
+
+    def forward(self, ids):
+        self.content[self._length :] = ids.tolist()
+        self._length += ids.shape[0]
+        return self.inner.forward(ids)
+
+    def rollback(self, n):
+        if not self.skip_rollback:
+            self._length = n
+            self.inner.rollback(n)
+
+
+def draft_cache_violations(monkeypatch, skip_rollback: bool) -> int:
+    """Rounds at which the draft cache held a token that was never committed, before drafting."""
+    import specfast.draft
+
+    real_make, real_propose = specfast.draft.make_decoder, specfast.draft.DraftModelDrafter.propose
+    decoders: list[ContentDecoder] = []
+
+    def make(m, n):
+        decoders.append(ContentDecoder(real_make(m, n + 256), skip_rollback))
+        return decoders[-1]
+
+    bad = []
+
+    def propose(self, k):
+        dec = self.decoder
+        real_forward = dec.forward
+
+        def first_forward(ids):
+            # The catch-up feed: the cache must hold committed tokens only, and be fed the rest.
+            bad.append(dec.content[: dec.length] != self.committed[: dec.length])
+            dec.forward = real_forward
+            return real_forward(ids)
+
+        dec.forward = first_forward
+        return real_propose(self, k)
+
+    monkeypatch.setattr(specfast.draft, "make_decoder", make)
+    monkeypatch.setattr(specfast.draft.DraftModelDrafter, "propose", propose)
+    target, draft = tiny("llama-gqa-untied", seed=0), tiny("llama-gqa-untied", seed=3)
+    prompt = prompt_for(target)
+    specfast.generate(target, prompt, max_new_tokens=40, drafter=draft, num_speculative_tokens=4)
+    assert len(bad) > 5
+    return sum(bad)
+
+
+def test_draft_cache_holds_only_committed_tokens(monkeypatch):
+    assert draft_cache_violations(monkeypatch, skip_rollback=False) == 0
+
+
+def test_negative_control_draft_cache_without_rollback_is_caught(monkeypatch):
+    assert draft_cache_violations(monkeypatch, skip_rollback=True) > 0

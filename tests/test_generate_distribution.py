@@ -145,3 +145,77 @@ def test_negative_control_bonus_from_wrong_position_is_caught(model, exact_joint
 
 def test_exact_joint_sums_to_one(exact_joint):
     assert exact_joint.sum() == pytest.approx(1.0, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------
+# a stochastic draft model: the ratio test and the residual through the loop
+
+TOP_K = 3  # the draft samples from a filtered q; the acceptance must see that very q
+
+
+@pytest.fixture(scope="module")
+def draft_model() -> Model:
+    m = Model.from_config(
+        ModelConfig(vocab_size=V, dim=32, n_layers=1, n_heads=2, n_kv_heads=1), seed=11
+    )
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def exact_joint_top_k(model) -> np.ndarray:
+    def filtered(context):
+        p = exact_next(model, context)
+        keep = p >= np.sort(p)[-TOP_K]
+        return np.where(keep, p, 0) / p[keep].sum()
+
+    joint = np.zeros((V, V, V))
+    p1 = filtered(PROMPT)
+    for a in range(V):
+        p2 = filtered([*PROMPT, a])
+        for b in range(V):
+            joint[a, b] = p1[a] * p2[b] * filtered([*PROMPT, a, b])
+    return joint
+
+
+def sample_joint_with_draft(model, draft, n: int) -> np.ndarray:
+    counts = np.zeros((V, V, V))
+    for seed in range(n):
+        out = specfast.generate(
+            model,
+            PROMPT,
+            max_new_tokens=3,
+            temperature=1.0,
+            top_k=TOP_K,
+            seed=seed,
+            drafter=draft,
+            num_speculative_tokens=2,
+            ignore_eos=True,
+        )
+        counts[tuple(out.token_ids)] += 1
+    return counts
+
+
+def test_joint_with_a_draft_model_is_exact(model, draft_model, exact_joint_top_k):
+    counts = sample_joint_with_draft(model, draft_model, N)
+    assert chi2_pvalue(counts, exact_joint_top_k) > ALPHA
+
+
+def test_negative_control_q_from_unfiltered_logits_is_caught(
+    model, draft_model, exact_joint_top_k, monkeypatch
+):
+    import specfast.draft
+
+    def sample_filtered_report_unfiltered(self, logits):
+        # The bug of transformers #32867: sample from the filtered q, put the raw one in the ratio.
+        q = specfast.logits_to_probs(logits, **self.sampling)
+        token = torch.multinomial(q, 1, generator=self.generator)[0]
+        return token, torch.softmax(logits.float(), dim=-1)
+
+    monkeypatch.setattr(
+        specfast.draft.DraftModelDrafter, "_step", sample_filtered_report_unfiltered
+    )
+    counts = sample_joint_with_draft(model, draft_model, N)
+    assert chi2_pvalue(counts, exact_joint_top_k) < ALPHA

@@ -1,6 +1,7 @@
 """specfast: exact speculative decoding for local LLMs. Same text, sooner."""
 
 from specfast._core import NgramDrafter
+from specfast.draft import CombinedDrafter
 from specfast.generate import GenerateOutput, GenerationStats, generate
 from specfast.hf import HFDecoder, make_decoder
 from specfast.loading import default_model_path, load_model
@@ -10,6 +11,7 @@ from specfast.sampling import accept_greedy, accept_sampled, accept_sampled_torc
 __version__ = "0.1.0"
 
 __all__ = [
+    "CombinedDrafter",
     "Decoder",
     "GenerateOutput",
     "GenerationStats",

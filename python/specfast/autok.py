@@ -73,7 +73,7 @@ class AutoK:
             r.accepts = self.decay * r.accepts + n_accepted
             r.rejects = self.decay * r.rejects + (n_accepted < n_draft)
             r.probe_every = 4 if n_accepted else min(r.probe_every * 2, 256)
-            if draft_seconds:
+            if draft_seconds and match_length is None:  # a draft model's round
                 per = draft_seconds / n_draft
                 d = self.draft_step_seconds
                 self.draft_step_seconds = per if d == 0 else 0.8 * d + 0.2 * per
@@ -102,11 +102,12 @@ class AutoK:
             return 0
         r = self._rate(match_bucket(match_length))
         a = min(r.value, 0.999)
+        step = self.draft_step_seconds if match_length is None else 0.0  # n-gram: microseconds
         best_k, best_rate = 0, 1.0 / self.pass_seconds(1)
         for k in CANDIDATES[1:]:
             if k > self.max_k:
                 break
-            cost = self.pass_seconds(k + 1) + k * self.draft_step_seconds
+            cost = self.pass_seconds(k + 1) + k * step
             rate = (1 - a ** (k + 1)) / (1 - a) / cost
             if rate > best_rate * 1.001:
                 best_k, best_rate = k, rate

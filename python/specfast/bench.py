@@ -31,11 +31,12 @@ ENGINES = (
     "specfast-plain",
     "specfast-ngram",
     "specfast-draft",
+    "specfast-combined",
     "hf-plain",
     "hf-prompt-lookup",
     "hf-assisted",
 )
-DRAFT_ENGINES = ("specfast-draft", "hf-assisted")
+DRAFT_ENGINES = ("specfast-draft", "specfast-combined", "hf-assisted")
 DEFAULT_ENGINES = ("specfast-plain", "specfast-ngram", "hf-plain", "hf-prompt-lookup")
 SWEEP_KS = (1, 2, 4, 8, 16, 32)
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt lookup
@@ -380,6 +381,7 @@ _COLORS = {
     "specfast-plain": "#9ecae1",
     "specfast-ngram": "#08519c",
     "specfast-draft": "#3182bd",
+    "specfast-combined": "#6baed6",
     "hf-plain": "#bdbdbd",
     "hf-prompt-lookup": "#e6550d",
     "hf-assisted": "#fd8d3c",
@@ -484,6 +486,13 @@ def plot_sweep(summary: dict, path: Path, title: str) -> Path:
 NO_EOS: list[int] = []
 
 
+class _Combined:
+    """A fresh CombinedDrafter per run: it holds one sequence's n-gram index and cache."""
+
+    def __init__(self, draft_model: Any):
+        self.draft_model = draft_model
+
+
 def specfast_engine(
     model: Any,
     *,
@@ -497,12 +506,18 @@ def specfast_engine(
         from specfast import generate
 
     def run(ids: list[int]) -> EngineOutput:
+        if isinstance(drafter, _Combined):
+            from specfast import CombinedDrafter
+
+            this_drafter: Any = CombinedDrafter(drafter.draft_model)
+        else:
+            this_drafter = drafter
         out = generate(
             model,
             ids,
             max_new_tokens=max_new_tokens,
             temperature=0.0,
-            drafter=drafter,
+            drafter=this_drafter,
             num_speculative_tokens=k,
             eos_token_id=NO_EOS,
         )
@@ -648,6 +663,10 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             engines[e] = specfast_engine(sf_model, drafter="ngram", k=args.k, max_new_tokens=n)
         elif e == "specfast-draft":
             engines[e] = specfast_engine(sf_model, drafter=sf_draft, k=args.k, max_new_tokens=n)
+        elif e == "specfast-combined":
+            engines[e] = specfast_engine(
+                sf_model, drafter=_Combined(sf_draft), k=args.k, max_new_tokens=n
+            )
         elif e == "hf-plain":
             engines[e] = hf_engine(hf_model, "plain", max_new_tokens=n)
         elif e == "hf-prompt-lookup":

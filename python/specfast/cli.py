@@ -135,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--drafter",
         default="ngram",
-        metavar="ngram|none|PATH",
-        help="'ngram' (default), 'none' for plain decoding, or a draft model path",
+        metavar="ngram|none|PATH|ngram+PATH",
+        help="'ngram' (default), 'none' for plain decoding, a draft model path, or "
+        "'ngram+PATH': the n-gram where the context repeats, the draft model elsewhere",
     )
     g.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -283,9 +284,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif args.drafter == "none":
         drafter = None
     else:
+        combined = args.drafter.startswith("ngram+")
+        path = args.drafter.removeprefix("ngram+")
         drafter = specfast.load_model(
-            str(resolve_model(args.drafter)), device=args.device, dtype=args.dtype
+            str(resolve_model(path)), device=args.device, dtype=args.dtype
         )
+        if combined:
+            drafter = specfast.CombinedDrafter(drafter)
 
     streamer = _TextStreamer(model.tokenizer, ids)
     out = specfast.generate(

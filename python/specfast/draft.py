@@ -26,9 +26,9 @@ class DraftModelDrafter:
         target,
         max_length: int,
         temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
         seed: int = 0,
     ):
         check_same_vocabulary(target, model)
@@ -36,9 +36,7 @@ class DraftModelDrafter:
         self.model = model
         self.decoder = make_decoder(model, max_length)
         self.greedy = temperature == 0
-        self.sampling = dict(
-            temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, min_p=min_p or 0.0
-        )
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.committed: list[int] = []
         self.cached: list[int] = []  # the tokens whose keys/values sit in the draft cache
@@ -70,19 +68,23 @@ class DraftModelDrafter:
         drafts, qs = [], []
         for _ in range(k):
             logits = self.decoder.forward(feed)[-1:]  # (1, V)
-            if self.greedy:
-                nxt = logits.argmax(dim=-1)  # (1,), stays on the device: no sync per step
-            else:
-                q = logits_to_probs(logits, **self.sampling)  # (1, V)
-                nxt = torch.multinomial(q, 1, generator=self.generator)[0]
-                qs.append(q)
+            nxt, q = self._step(logits)
             drafts.append(nxt)
+            if q is not None:
+                qs.append(q)
             feed = nxt
         tokens = torch.cat(drafts).tolist()  # the one host sync of the proposal
         self._known = len(self.committed)
         self.cached = self.committed + tokens[:-1]
         self.draft_probs = torch.cat(qs) if qs else None
         return tokens
+
+    def _step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft token (1,) from logits (1, V), and the q (1, V) it was drawn from."""
+        if self.greedy:
+            return logits.argmax(dim=-1), None  # stays on the device: no sync per step
+        q = logits_to_probs(logits, **self.sampling)  # (1, V)
+        return torch.multinomial(q, 1, generator=self.generator)[0], q
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -111,3 +113,50 @@ def check_same_vocabulary(target, draft) -> None:
             f"the draft model's tokenizer maps tokens differently from the target's "
             f"(e.g. {differ}); a draft model must share the target's vocabulary"
         )
+
+
+class CombinedDrafter:
+    """The n-gram proposal where the context repeats (a match of at least `min_match` tokens),
+    the draft model's everywhere else. Pass it as generate(..., drafter=CombinedDrafter(draft)).
+
+    n-gram drafts cost microseconds and win where output copies input; a draft model costs k
+    small forwards and wins on open text. The draft model's cache falls behind while the n-gram
+    drafts, and catches up in one pass on its next proposal.
+    """
+
+    def __init__(self, draft_model, *, min_match: int = 3, ngram=None):
+        from specfast._core import NgramDrafter
+
+        if isinstance(min_match, bool) or not isinstance(min_match, int) or min_match < 1:
+            raise ValueError(f"min_match must be an int >= 1, got {min_match!r}")
+        self.model = draft_model
+        self.min_match = min_match
+        self.ngram = ngram if ngram is not None else NgramDrafter()
+        self.draft: DraftModelDrafter | None = None  # bound by generate(), which knows the target
+        self.draft_probs: torch.Tensor | None = None
+
+    def bind(self, draft: DraftModelDrafter) -> None:
+        self.draft = draft
+
+    @property
+    def match_length(self) -> int | None:
+        """The n-gram evidence when the n-gram drafts this round; None when the model does."""
+        n = self.ngram.match_length
+        return n if n >= self.min_match else None
+
+    def extend(self, tokens) -> None:
+        self.ngram.extend(tokens)
+        if self.draft is not None:
+            self.draft.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        if self.draft is None:
+            raise ValueError("CombinedDrafter is bound to a target by generate(); pass it there")
+        if self.match_length is not None:
+            tokens = self.ngram.propose(k)
+            if tokens:
+                self.draft_probs = None  # one-hot drafts
+                return tokens
+        tokens = self.draft.propose(k)
+        self.draft_probs = self.draft.draft_probs
+        return tokens

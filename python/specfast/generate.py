@@ -178,7 +178,7 @@ def generate(
     target's vocabulary. `streamer` is a transformers-style streamer (`put`/`end`) or a callable
     that receives text as tokens are committed. `ignore_eos` keeps going past EOS (benchmarks).
     """
-    from specfast.draft import DraftModelDrafter
+    from specfast.draft import CombinedDrafter, DraftModelDrafter
     from specfast.runtime import is_model, make_decoder, model_facts
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
@@ -221,17 +221,18 @@ def generate(
                 f'drafter must be "ngram", None, an NgramDrafter or a model: {drafter!r}'
             )
         drafter = NgramDrafter()
-    elif drafter is not None and is_model(drafter):
-        drafter = DraftModelDrafter(
-            drafter,
+    elif drafter is not None and (is_model(drafter) or isinstance(drafter, CombinedDrafter)):
+        model_drafter = DraftModelDrafter(
+            drafter.model if isinstance(drafter, CombinedDrafter) else drafter,
             target=model,
             max_length=len(prompt_ids) + max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
             seed=seed,
+            **params,
         )
+        if isinstance(drafter, CombinedDrafter):
+            drafter.bind(model_drafter)
+        else:
+            drafter = model_drafter
     elif drafter is not None and not (hasattr(drafter, "propose") and hasattr(drafter, "extend")):
         raise TypeError(
             'drafter must be "ngram", None, an NgramDrafter or a draft model, '
