@@ -96,12 +96,9 @@ class AutoK:
         slope = sum((x - mx) * (means[x] - my) for x in xs) / var if var else 0.0
         return max(my + slope * (n - mx), base * 0.5)
 
-    def choose(self, match_length: int | None = None) -> int:
-        """k for this round; 0 means plain decoding. match_length 0: the n-gram has nothing."""
-        if match_length == 0:
-            return 0
-        r = self._rate(match_bucket(match_length))
-        a = min(r.value, 0.999)
+    def _best(self, match_length: int | None) -> tuple[int, float]:
+        """The best k for this evidence and its expected tokens per second (k = 0: plain)."""
+        a = min(self._rate(match_bucket(match_length)).value, 0.999)
         step = self.draft_step_seconds if match_length is None else 0.0  # n-gram: microseconds
         best_k, best_rate = 0, 1.0 / self.pass_seconds(1)
         for k in CANDIDATES[1:]:
@@ -111,9 +108,27 @@ class AutoK:
             rate = (1 - a ** (k + 1)) / (1 - a) / cost
             if rate > best_rate * 1.001:
                 best_k, best_rate = k, rate
-        if best_k:
+        return best_k, best_rate
+
+    def _or_probe(self, k: int, match_length: int | None) -> int:
+        r = self._rate(match_bucket(match_length))
+        if k:
             r.off_rounds = 0
-            return best_k
-        # Off for this bucket: probe now and then so a change of workload is noticed.
+            return k
+        # Off for this evidence: probe now and then so a change of workload is noticed.
         r.off_rounds += 1
         return 2 if r.off_rounds % r.probe_every == 0 else 0
+
+    def choose(self, match_length: int | None = None) -> int:
+        """k for this round; 0 means plain decoding. match_length 0: the n-gram has nothing."""
+        if match_length == 0:
+            return 0
+        return self._or_probe(self._best(match_length)[0], match_length)
+
+    def choose_source(self, match_length: int) -> tuple[bool, int]:
+        """For an n-gram + draft-model pair: (draft with the n-gram?, k), whichever pays more."""
+        ngram_k, ngram_rate = self._best(match_length) if match_length else (0, 0.0)
+        model_k, model_rate = self._best(None)
+        if ngram_k and ngram_rate >= model_rate:
+            return True, ngram_k
+        return False, self._or_probe(model_k, None)

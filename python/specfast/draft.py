@@ -116,8 +116,10 @@ def check_same_vocabulary(target, draft) -> None:
 
 
 class CombinedDrafter:
-    """The n-gram proposal where the context repeats (a match of at least `min_match` tokens),
-    the draft model's everywhere else. Pass it as generate(..., drafter=CombinedDrafter(draft)).
+    """The n-gram proposal where the context repeats, the draft model's everywhere else. Pass it
+    as generate(..., drafter=CombinedDrafter(draft)). With "auto" k, each round takes whichever
+    source the measured acceptance and costs say pays more (or neither); with a fixed k, the
+    n-gram drafts when its match is at least `min_match` tokens long.
 
     n-gram drafts cost microseconds and win where output copies input; a draft model costs k
     small forwards and wins on open text. The draft model's cache falls behind while the n-gram
@@ -134,15 +136,21 @@ class CombinedDrafter:
         self.ngram = ngram if ngram is not None else NgramDrafter()
         self.draft: DraftModelDrafter | None = None  # bound by generate(), which knows the target
         self.draft_probs: torch.Tensor | None = None
+        # Set by generate()'s auto k each round: True = n-gram, False = model, None = min_match.
+        self.use_ngram: bool | None = None
 
     def bind(self, draft: DraftModelDrafter) -> None:
         self.draft = draft
 
+    def _ngram_turn(self) -> bool:
+        if self.use_ngram is not None:
+            return self.use_ngram
+        return self.ngram.match_length >= self.min_match
+
     @property
     def match_length(self) -> int | None:
         """The n-gram evidence when the n-gram drafts this round; None when the model does."""
-        n = self.ngram.match_length
-        return n if n >= self.min_match else None
+        return self.ngram.match_length if self._ngram_turn() else None
 
     def extend(self, tokens) -> None:
         self.ngram.extend(tokens)
@@ -152,7 +160,7 @@ class CombinedDrafter:
     def propose(self, k: int) -> list[int]:
         if self.draft is None:
             raise ValueError("CombinedDrafter is bound to a target by generate(); pass it there")
-        if self.match_length is not None:
+        if self._ngram_turn():
             tokens = self.ngram.propose(k)
             if tokens:
                 self.draft_probs = None  # one-hot drafts

@@ -257,11 +257,16 @@ def generate(
 
         while not emit.done:
             budget = max_new_tokens - len(emit.token_ids) - 1  # proposals past this are wasted
-            match = getattr(drafter, "match_length", None)  # n-gram evidence, None for a model
             if drafter is None:
                 k = 0
+            elif fixed_k is not None:
+                k = fixed_k
+            elif isinstance(drafter, CombinedDrafter):
+                drafter.use_ngram, k = auto.choose_source(drafter.ngram.match_length)
             else:
-                k = min(fixed_k if fixed_k is not None else auto.choose(match), budget)
+                k = auto.choose(getattr(drafter, "match_length", None))
+            k = min(k, budget)
+            match = getattr(drafter, "match_length", None)  # the evidence this round drafts on
             draft, q = [], None
             t0 = time.perf_counter()
             if k > 0:
