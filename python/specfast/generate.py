@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -365,8 +365,10 @@ class _Emitter:
         self.eos_ids, self.stops, self.max_new_tokens = eos_ids, stops, max_new_tokens
         self.token_ids: list[int] = []
         self.finish_reason = ""
-        self._text = ""  # decoded output so far, kept only when stop strings or a callback need it
-        self._needs_text = bool(stops) or (callable(streamer) and not hasattr(streamer, "put"))
+        # A stop string of L characters ends within the last 4L + 4 tokens (a token is at least a
+        # byte), so only that tail is decoded per token.
+        self._stop_window = 4 * max(map(len, stops), default=0) + 4
+        self._sent = ""  # text already handed to a callback streamer
         if streamer is not None and hasattr(streamer, "put"):
             streamer.put(torch.tensor([prompt_ids]))  # TextStreamer(skip_prompt=True) skips this
 
@@ -384,20 +386,17 @@ class _Emitter:
             n += 1
             if t in self.eos_ids:
                 self.finish_reason = "eos"
-            elif self._needs_text:
-                self._check_text()
+            elif self.stops and self._stop_in_tail():
+                self.finish_reason = "stop_string"
             if not self.finish_reason and len(self.token_ids) >= self.max_new_tokens:
                 self.finish_reason = "length"
         self._stream(self.token_ids[len(self.token_ids) - n :])
         return n
 
-    def _check_text(self) -> None:
-        text = _decode(self.tokenizer, self.token_ids)
-        new_from = max(len(self._text) - max(map(len, self.stops), default=0), 0)
-        self._text_delta = text[len(self._text) :]
-        self._text = text
-        if any(s in text[new_from:] for s in self.stops):
-            self.finish_reason = "stop_string"
+    def _stop_in_tail(self) -> bool:
+        # Checked after every token, so a stop string found here has just been completed.
+        tail = _decode(self.tokenizer, self.token_ids[-self._stop_window :])
+        return any(s in tail for s in self.stops)
 
     def _stream(self, new: list[int]) -> None:
         if self.streamer is None or not new:
@@ -411,7 +410,7 @@ class _Emitter:
         text = _decode(self.tokenizer, self.token_ids) if self.tokenizer is not None else ""
         # Hold back a trailing replacement char: a multi-byte character may be half-committed.
         stable = text.rstrip("\ufffd")
-        delta, self._sent = stable[len(getattr(self, "_sent", "")) :], stable
+        delta, self._sent = stable[len(self._sent) :], stable
         return delta
 
     def end(self) -> None:
@@ -421,9 +420,5 @@ class _Emitter:
             self.streamer.end()
         elif self.tokenizer is not None:
             text = _decode(self.tokenizer, self.token_ids)
-            sent = getattr(self, "_sent", "")
-            if len(text) > len(sent):
-                self.streamer(text[len(sent) :])
-
-
-StreamCallback = Callable[[str], None]
+            if len(text) > len(self._sent):
+                self.streamer(text[len(self._sent) :])

@@ -9,7 +9,7 @@ import inspect
 
 import torch
 
-from .model import Model
+from .model import Model, check_ids
 
 
 def is_hf_model(obj) -> bool:
@@ -57,23 +57,8 @@ class HFDecoder:
         return self._length
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"ids must be a 1-D torch.LongTensor, got {type(ids).__name__}")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"ids must be an integer (int64) tensor, got dtype {ids.dtype}")
-        if ids.dim() != 1 or ids.shape[0] == 0:
-            raise ValueError(f"ids must be 1-D and non-empty, got shape {tuple(ids.shape)}")
-        if ids.device != self.device:
-            raise ValueError(f"ids are on {ids.device} but the model is on {self.device}")
+        check_ids(ids, self.device, self.vocab_size, self._length, self.max_length)
         T, pos = ids.shape[0], self._length
-        if pos + T > self.max_length:
-            raise ValueError(
-                f"cannot append {T} tokens at length {pos}: the decoder holds at most "
-                f"{self.max_length} (max_length)"
-            )
-        lo, hi = torch.aminmax(ids)
-        if lo.item() < 0 or hi.item() >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got [{lo}, {hi}]")
         positions = torch.arange(pos, pos + T, device=ids.device)
         with torch.inference_mode():
             out = self.model(

@@ -291,6 +291,27 @@ class Model(nn.Module):
 # one sequence's decoding state
 
 
+def check_ids(ids, device, vocab_size: int, length: int, max_length: int) -> None:
+    """What a decoder's forward accepts: a non-empty 1-D integer tensor on its device, of ids in
+    the vocabulary, that fits after `length` tokens in `max_length`."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"ids must be a 1-D torch.LongTensor, got {type(ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"ids must be an integer (int64) tensor, got dtype {ids.dtype}")
+    if ids.dim() != 1 or ids.shape[0] == 0:
+        raise ValueError(f"ids must be 1-D and non-empty, got shape {tuple(ids.shape)}")
+    if ids.device != device:
+        raise ValueError(f"ids are on {ids.device} but the model is on {device}")
+    if length + ids.shape[0] > max_length:
+        raise ValueError(
+            f"cannot append {ids.shape[0]} tokens at length {length}: the decoder holds at most "
+            f"{max_length} (max_length)"
+        )
+    lo, hi = torch.aminmax(ids)  # one host sync: free on CPU, small next to a forward on CUDA
+    if lo.item() < 0 or hi.item() >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got [{lo}, {hi}]")
+
+
 class Decoder:
     """A static, preallocated KV cache over `model`, plus the length of what it holds.
 
@@ -320,23 +341,8 @@ class Decoder:
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (T,) LongTensor on the model's device -> float32 logits (T, V); appends T tokens."""
         m = self.model
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"ids must be a 1-D torch.LongTensor, got {type(ids).__name__}")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"ids must be an integer (int64) tensor, got dtype {ids.dtype}")
-        if ids.dim() != 1 or ids.shape[0] == 0:
-            raise ValueError(f"ids must be 1-D and non-empty, got shape {tuple(ids.shape)}")
-        if ids.device != m.device:
-            raise ValueError(f"ids are on {ids.device} but the model is on {m.device}")
+        check_ids(ids, m.device, m.vocab_size, self.cache.length, self.max_length)
         T, pos = ids.shape[0], self.cache.length
-        if pos + T > self.max_length:
-            raise ValueError(
-                f"cannot append {T} tokens at length {pos}: the decoder holds at most "
-                f"{self.max_length} (max_length)"
-            )
-        lo, hi = torch.aminmax(ids)  # one host sync: free on CPU, small next to a forward on CUDA
-        if lo.item() < 0 or hi.item() >= m.vocab_size:
-            raise ValueError(f"token ids must be in [0, {m.vocab_size}), got [{lo}, {hi}]")
         with torch.inference_mode():
             logits = m(ids.long(), self.cache, pos)
         self.cache.length = pos + T
