@@ -444,3 +444,46 @@ def test_draft_cache_holds_only_committed_tokens(monkeypatch):
 
 def test_negative_control_draft_cache_without_rollback_is_caught(monkeypatch):
     assert draft_cache_violations(monkeypatch, skip_rollback=True) > 0
+
+
+# ----------------------------------------------------------------------------
+# a transformers model as target, and as draft
+
+
+def test_transformers_target_ngram_equals_its_own_greedy():
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model
+
+    hf = make_hf_model("qwen2-bias")
+    prompt = [5, 9, 17, 5, 9, 17, 5, 9, 30, 31, 5, 9]
+    ids = torch.tensor([prompt])
+    want = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None)[0, 12:]
+    for drafter, k in ((None, "auto"), ("ngram", 4), ("ngram", "auto")):
+        out = specfast.generate(
+            hf,
+            prompt,
+            max_new_tokens=24,
+            drafter=drafter,
+            num_speculative_tokens=k,
+            ignore_eos=True,
+        )
+        assert out.token_ids == want.tolist()
+
+
+def test_transformers_model_as_draft_for_a_transformers_target():
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model
+
+    target, draft = make_hf_model("llama-tied-gqa", seed=0), make_hf_model("mistral", seed=1)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = plain(target, prompt, 20, ignore_eos=True)
+    out = specfast.generate(
+        target,
+        prompt,
+        max_new_tokens=20,
+        drafter=draft,
+        num_speculative_tokens=3,
+        ignore_eos=True,
+    )
+    assert out.token_ids == want
+    assert out.stats.draft_tokens > 0

@@ -381,7 +381,7 @@ _COLORS = {
     "specfast-plain": "#9ecae1",
     "specfast-ngram": "#08519c",
     "specfast-draft": "#3182bd",
-    "specfast-combined": "#6baed6",
+    "specfast-combined": "#31a354",
     "hf-plain": "#bdbdbd",
     "hf-prompt-lookup": "#e6550d",
     "hf-assisted": "#fd8d3c",
