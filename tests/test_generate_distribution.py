@@ -23,17 +23,19 @@ N = 3000
 ALPHA = 1e-4
 
 
-@pytest.fixture(scope="module")
-def model() -> Model:
-    m = Model.from_config(
-        ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2), seed=3
-    )
+def sharpened(config: ModelConfig, seed: int) -> Model:
+    m = Model.from_config(config, seed=seed)
     # Random init gives near-uniform next-token distributions, which cannot tell a right rule
     # from a wrong one. Sharpen the logits so every context has its own, uneven distribution.
     with torch.no_grad():
         for p in m.parameters():
             p.mul_(3.0)
     return m
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return sharpened(ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2), 3)
 
 
 def exact_next(model, context: list[int]) -> np.ndarray:
@@ -155,13 +157,7 @@ TOP_K = 3  # the draft samples from a filtered q; the acceptance must see that v
 
 @pytest.fixture(scope="module")
 def draft_model() -> Model:
-    m = Model.from_config(
-        ModelConfig(vocab_size=V, dim=32, n_layers=1, n_heads=2, n_kv_heads=1), seed=11
-    )
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(3.0)
-    return m
+    return sharpened(ModelConfig(vocab_size=V, dim=32, n_layers=1, n_heads=2, n_kv_heads=1), 11)
 
 
 @pytest.fixture(scope="module")

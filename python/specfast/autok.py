@@ -47,6 +47,7 @@ class AutoK:
         self._rates: dict[int | None, _Rate] = {}
         # Pass cost t(n) = intercept + slope * n, fitted from decayed sums per n.
         self._sums: dict[int, list[float]] = {}  # n -> [weight, total seconds]
+        self._fit: tuple[float, float, float] | None = None
         self.draft_step_seconds = 0.0  # a draft model's cost per proposed token
 
     def _rate(self, bucket: int | None) -> _Rate:
@@ -80,21 +81,29 @@ class AutoK:
         w_t = self._sums.setdefault(n_draft + 1, [0.0, 0.0])
         w_t[0] = 0.8 * w_t[0] + 1.0
         w_t[1] = 0.8 * w_t[1] + seconds
+        self._fit = None
 
     def pass_seconds(self, n: int) -> float:
         """Estimated target pass time over n tokens (linear fit; a weak prior fills the gaps)."""
+        if self._fit is None:
+            self._fit = self._fit_pass_cost()
+        intercept, slope, floor = self._fit
+        return max(intercept + slope * n, floor)
+
+    def _fit_pass_cost(self) -> tuple[float, float, float]:
+        """(intercept, slope, floor) of t(n), refitted once per observation, not per candidate."""
         means = {m: t / w for m, (w, t) in self._sums.items() if w > 0}
         if not means:
-            return 1.0
+            return 1.0, 0.0, 1.0
         base = means.get(1, min(means.values()))
         if len(means) < 2:
-            return base * (1 + 0.02 * (n - 1))
+            return base * 0.98, base * 0.02, base * 0.5
         xs = list(means)
         mx = sum(xs) / len(xs)
         my = sum(means.values()) / len(xs)
         var = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (means[x] - my) for x in xs) / var if var else 0.0
-        return max(my + slope * (n - mx), base * 0.5)
+        return my - slope * mx, slope, base * 0.5
 
     def _best(self, match_length: int | None) -> tuple[int, float]:
         """The best k for this evidence and its expected tokens per second (k = 0: plain)."""
