@@ -78,9 +78,13 @@ class GreedyTableDrafter:
         return out
 
 
-def sample_joint(model, n: int) -> np.ndarray:
+def sample_joint(model, n: int, new_drafter=None, **kwargs) -> np.ndarray:
+    """Counts of the first 3 tokens over n seeds. By default the drafts are one-hot (k = 1)."""
+    if new_drafter is None:
+        memo: dict[tuple[int, ...], int] = {}
+        new_drafter = lambda: GreedyTableDrafter(model, memo)  # noqa: E731
+        kwargs.setdefault("num_speculative_tokens", 1)
     counts = np.zeros((V, V, V))
-    memo: dict[tuple[int, ...], int] = {}
     for seed in range(n):
         out = specfast.generate(
             model,
@@ -88,9 +92,9 @@ def sample_joint(model, n: int) -> np.ndarray:
             max_new_tokens=3,
             temperature=1.0,
             seed=seed,
-            drafter=GreedyTableDrafter(model, memo),
-            num_speculative_tokens=1,
+            drafter=new_drafter(),
             ignore_eos=True,
+            **kwargs,
         )
         counts[tuple(out.token_ids)] += 1
     return counts
@@ -177,21 +181,7 @@ def exact_joint_top_k(model) -> np.ndarray:
 
 
 def sample_joint_with_draft(model, draft, n: int) -> np.ndarray:
-    counts = np.zeros((V, V, V))
-    for seed in range(n):
-        out = specfast.generate(
-            model,
-            PROMPT,
-            max_new_tokens=3,
-            temperature=1.0,
-            top_k=TOP_K,
-            seed=seed,
-            drafter=draft,
-            num_speculative_tokens=2,
-            ignore_eos=True,
-        )
-        counts[tuple(out.token_ids)] += 1
-    return counts
+    return sample_joint(model, n, lambda: draft, top_k=TOP_K, num_speculative_tokens=2)
 
 
 def test_joint_with_a_draft_model_is_exact(model, draft_model, exact_joint_top_k):
