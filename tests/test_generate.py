@@ -136,9 +136,9 @@ class RecordingDecoder:
     def length(self):
         return self.inner.length
 
-    def forward(self, ids):
+    def forward(self, ids, last_only=False):
         self.log.append((self.inner.length, ids.shape[0]))
-        return self.inner.forward(ids)
+        return self.inner.forward(ids, last_only)
 
     def rollback(self, n):
         self.inner.rollback(n)
@@ -392,10 +392,10 @@ class ContentDecoder:
     def length(self):
         return self._length
 
-    def forward(self, ids):
+    def forward(self, ids, last_only=False):
         self.content[self._length :] = ids.tolist()
         self._length += ids.shape[0]
-        return self.inner.forward(ids)
+        return self.inner.forward(ids, last_only)
 
     def rollback(self, n):
         if not self.skip_rollback:
@@ -420,11 +420,11 @@ def draft_cache_violations(monkeypatch, skip_rollback: bool) -> int:
         dec = self.decoder
         real_forward = dec.forward
 
-        def first_forward(ids):
+        def first_forward(ids, last_only=False):
             # The catch-up feed: the cache must hold committed tokens only, and be fed the rest.
             bad.append(dec.content[: dec.length] != self.committed[: dec.length])
             dec.forward = real_forward
-            return real_forward(ids)
+            return real_forward(ids, last_only)
 
         dec.forward = first_forward
         return real_propose(self, k)
@@ -487,3 +487,26 @@ def test_transformers_model_as_draft_for_a_transformers_target():
     )
     assert out.token_ids == want
     assert out.stats.draft_tokens > 0
+
+
+def test_a_drafter_proposing_ids_outside_the_vocabulary_is_refused():
+    class Bad:
+        def extend(self, tokens):
+            pass
+
+        def propose(self, k):
+            return [96] * k
+
+    with pytest.raises(ValueError, match="drafter proposed"):
+        specfast.generate(
+            tiny(), [1, 2, 3], max_new_tokens=4, drafter=Bad(), num_speculative_tokens=2
+        )
+
+
+def test_last_only_logits_equal_the_last_row():
+    model = tiny()
+    ids = torch.tensor(prompt_for(model))
+    full = model.decoder(64).forward(ids)
+    last = model.decoder(64).forward(ids, last_only=True)
+    assert last.shape == (1, model.vocab_size)
+    torch.testing.assert_close(last, full[-1:], rtol=0, atol=1e-5)

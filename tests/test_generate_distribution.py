@@ -123,8 +123,8 @@ class NoRollback:
 
     length = property(lambda self: self.inner.length)
 
-    def forward(self, ids):
-        return self.inner.forward(ids)
+    def forward(self, ids, last_only=False):
+        return self.inner.forward(ids, last_only)
 
     def rollback(self, n):
         pass  # the bug: rejected drafts stay in the cache and condition later tokens

@@ -39,8 +39,9 @@ class DraftModelDrafter:
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.committed: list[int] = []
-        self.cached: list[int] = []  # the tokens whose keys/values sit in the draft cache
+        # The draft cache holds committed[:known] + drafts[:-1] of the last proposal.
         self._known = 0
+        self._cached_drafts: list[int] = []
         self.draft_probs: torch.Tensor | None = None  # (k, V) q of the last proposal, sampling only
 
     def extend(self, tokens) -> None:
@@ -48,7 +49,7 @@ class DraftModelDrafter:
 
     def reset(self) -> None:
         self.committed.clear()
-        self.cached.clear()
+        self._cached_drafts.clear()
         self._known = 0
         self.decoder.rollback(0)
 
@@ -60,14 +61,14 @@ class DraftModelDrafter:
             return []
         # Roll back to the longest cached prefix that was committed (drafts that were accepted
         # stay), then feed the rest; the last committed token is always fed.
-        known = self._known  # cached[:known] is committed for sure; compare only the drafts
-        keep = known + _common_prefix(self.cached[known:], self.committed[known:])
+        known = self._known  # committed for sure; of the cached drafts, keep those accepted
+        keep = known + _common_prefix(self._cached_drafts, self.committed[known:])
         keep = min(keep, len(self.committed) - 1)
         self.decoder.rollback(keep)
         feed = torch.tensor(self.committed[keep:], dtype=torch.long, device=self.device)
         drafts, qs = [], []
         for _ in range(k):
-            logits = self.decoder.forward(feed)[-1:]  # (1, V)
+            logits = self.decoder.forward(feed, last_only=True)  # (1, V)
             nxt, q = self._step(logits)
             drafts.append(nxt)
             if q is not None:
@@ -75,7 +76,7 @@ class DraftModelDrafter:
             feed = nxt
         tokens = torch.cat(drafts).tolist()  # the one host sync of the proposal
         self._known = len(self.committed)
-        self.cached = self.committed + tokens[:-1]
+        self._cached_drafts = tokens[:-1]
         self.draft_probs = torch.cat(qs) if qs else None
         return tokens
 
@@ -89,10 +90,7 @@ class DraftModelDrafter:
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def check_same_vocabulary(target, draft) -> None:

@@ -246,7 +246,7 @@ def generate(
     with torch.inference_mode():
         decoder = make_decoder(model, len(prompt_ids) + max_new_tokens)
         prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-        logits = decoder.forward(prompt_t)[-1:]  # (1, V)
+        logits = decoder.forward(prompt_t, last_only=True)  # (1, V)
         first = _choose(logits, [], None, 0, sampling)
         stats.target_passes = 1
         stats.prefill_seconds = time.perf_counter() - start
@@ -272,6 +272,7 @@ def generate(
             if k > 0:
                 draft = list(drafter.propose(k))[:k]
                 q = getattr(drafter, "draft_probs", None) if not greedy and draft else None
+                _check_draft(draft, vocab_size)
             t1 = time.perf_counter()
             ids = torch.tensor([emit.token_ids[-1], *draft], dtype=torch.long, device=device)
             logits = decoder.forward(ids)  # (1 + len(draft), V)
@@ -323,6 +324,13 @@ def _choose(logits, draft, q, pos, sampling) -> list[int]:
     if probs.device.type == "cpu":
         return accept_sampled(probs.numpy(), draft, q.float().numpy(), seed=round_seed)
     return accept_sampled_torch(probs, draft, q, seed=round_seed)
+
+
+def _check_draft(draft: list[int], vocab_size: int) -> None:
+    # Checked here, on the host, so the decoder need not sync to check ids on an accelerator.
+    for t in draft:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"the drafter proposed {t!r}; ids must be ints in [0, {vocab_size})")
 
 
 def _eos_ids(eos_token_id, model, tokenizer, ignore_eos: bool) -> set[int]:

@@ -56,7 +56,7 @@ class HFDecoder:
     def length(self) -> int:
         return self._length
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         check_ids(ids, self.device, self.vocab_size, self._length, self.max_length)
         T, pos = ids.shape[0], self._length
         positions = torch.arange(pos, pos + T, device=ids.device)
@@ -69,7 +69,8 @@ class HFDecoder:
                 position_ids=positions[None],
             )
         self._length = pos + T
-        return out.logits[0].float()  # (T, V)
+        logits = out.logits[0]  # (T, V)
+        return (logits[-1:] if last_only else logits).float()
 
     def rollback(self, length: int) -> None:
         if not isinstance(length, int) or isinstance(length, bool):

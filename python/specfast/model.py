@@ -245,8 +245,12 @@ class Model(nn.Module):
 
     # -- forward
 
-    def forward(self, ids: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
-        """ids (T,) at positions [pos, pos+T), cache holding [0, pos) -> logits (T, V), model dtype.
+    def forward(
+        self, ids: torch.Tensor, cache: KVCache, pos: int, last_only: bool = False
+    ) -> torch.Tensor:
+        """ids (T,) at positions [pos, pos+T), cache holding [0, pos) -> logits (T, V), model dtype
+        ((1, V) with last_only: a prefill needs only the last row, and the vocabulary projection
+        is a fifth of a small model's work per token).
 
         Writes the T new keys/values into the cache; does not move its length.
         """
@@ -282,6 +286,8 @@ class Model(nn.Module):
             h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
             gate, up = _linear(h, layer.w_gate_up.weight, pw[2]).chunk(2, dim=-1)  # (T, F) each
             x = x + _linear(F.silu(gate) * up, layer.w_down.weight, pw[3])
+        if last_only:
+            x = x[-1:]
         x = F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return _linear(x, w, packed[-1] if packed else None)  # (T, V)
@@ -293,7 +299,7 @@ class Model(nn.Module):
 
 def check_ids(ids, device, vocab_size: int, length: int, max_length: int) -> None:
     """What a decoder's forward accepts: a non-empty 1-D integer tensor on its device, of ids in
-    the vocabulary, that fits after `length` tokens in `max_length`."""
+    the vocabulary (checked on CPU), that fits after `length` tokens in `max_length`."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a 1-D torch.LongTensor, got {type(ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32):
@@ -307,7 +313,9 @@ def check_ids(ids, device, vocab_size: int, length: int, max_length: int) -> Non
             f"cannot append {ids.shape[0]} tokens at length {length}: the decoder holds at most "
             f"{max_length} (max_length)"
         )
-    lo, hi = torch.aminmax(ids)  # one host sync: free on CPU, small next to a forward on CUDA
+    if ids.device.type != "cpu":
+        return  # the range check would cost a host sync; generate() checks ids on the host
+    lo, hi = torch.aminmax(ids)
     if lo.item() < 0 or hi.item() >= vocab_size:
         raise ValueError(f"token ids must be in [0, {vocab_size}), got [{lo}, {hi}]")
 
@@ -338,13 +346,14 @@ class Decoder:
     def length(self) -> int:
         return self.cache.length
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (T,) LongTensor on the model's device -> float32 logits (T, V); appends T tokens."""
+    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """ids (T,) LongTensor on the model's device -> float32 logits (T, V), or (1, V) for the
+        last position only; appends T tokens."""
         m = self.model
         check_ids(ids, m.device, m.vocab_size, self.cache.length, self.max_length)
         T, pos = ids.shape[0], self.cache.length
         with torch.inference_mode():
-            logits = m(ids.long(), self.cache, pos)
+            logits = m(ids.long(), self.cache, pos, last_only)
         self.cache.length = pos + T
         return logits.float()
 
