@@ -19,6 +19,12 @@ def is_hf_model(obj) -> bool:
     )
 
 
+def hf_vocab_and_context(hf_model) -> tuple[int, int]:
+    """The vocabulary as the logits see it (config.vocab_size may differ) and the context."""
+    vocab = hf_model.get_output_embeddings().weight.shape[0]
+    return vocab, getattr(hf_model.config, "max_position_embeddings", None) or 2**31
+
+
 class HFDecoder:
     """One sequence over a transformers causal LM. Rollback crops its DynamicCache.
 
@@ -32,8 +38,7 @@ class HFDecoder:
             raise TypeError(f"expected a transformers model, got {type(hf_model).__name__}")
         self.model = hf_model
         cfg = hf_model.config
-        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
-        self.max_context = getattr(cfg, "max_position_embeddings", None) or 2**31
+        self.vocab_size, self.max_context = hf_vocab_and_context(hf_model)
         max_length = self.max_context if max_length is None else max_length
         if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specfast.hf import is_hf_model, make_decoder
+from specfast.hf import hf_vocab_and_context, is_hf_model, make_decoder
 from specfast.model import Model
 
 __all__ = ["is_model", "make_decoder", "model_facts", "tokenizer_vocab"]
@@ -20,9 +20,7 @@ def model_facts(model) -> tuple[int, int, torch.device]:
     if isinstance(model, Model):
         return model.vocab_size, model.max_context, model.device
     if is_hf_model(model):
-        vocab = model.get_output_embeddings().weight.shape[0]
-        context = getattr(model.config, "max_position_embeddings", None) or 2**31
-        return vocab, context, model.device
+        return (*hf_vocab_and_context(model), model.device)
     raise TypeError(
         "expected a specfast model (load_model) or a transformers causal LM, "
         f"got {type(model).__name__}"

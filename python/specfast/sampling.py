@@ -295,12 +295,7 @@ def accept_sampled_torch(
     u_accept, u_sample = u[:k], u[k:]
 
     ratio, weights = _rule(p, d, draft_probs)  # (k,), (k+1, V)
-    cdf = weights.double().cumsum(dim=-1)  # (k+1, V)
-    total = cdf[:, -1:]  # (k+1, 1)
-    # Stay strictly below the total so the search ends on a token with positive weight.
-    below_total = torch.nextafter(total, torch.zeros_like(total))
-    target = torch.minimum(u_sample[:, None] * total, below_total)
-    samples = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (k+1,)
+    samples = sample_rows(weights, u_sample)  # (k+1,)
     n = torch.cumprod((u_accept < ratio).long(), dim=0).sum()  # accepted prefix length
     token = samples.gather(0, n.view(1))  # (1,)
 
@@ -344,12 +339,14 @@ def position_uniforms(seed: int, start: int, n: int) -> torch.Tensor:
     return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
-def sample_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample of each row of probs (n, V) with uniforms (n,): token ids (n,), on the
-    probs' device, with no host sync. Never returns a token of probability 0."""
-    cdf = probs.double().cumsum(dim=-1)  # (n, V)
-    u = uniforms.to(cdf.device, non_blocking=True) * cdf[:, -1]
-    # right=True: the first index whose cdf exceeds u, so zero-probability tokens (flat cdf)
-    # are never chosen.
-    ids = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
-    return ids.clamp_(max=probs.shape[-1] - 1)
+def sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of each row of weights (n, V) (not necessarily normalised) with
+    uniforms (n,) in [0, 1): token ids (n,), on the weights' device, with no host sync.
+    Never returns a token of weight 0."""
+    cdf = weights.double().cumsum(dim=-1)  # (n, V)
+    total = cdf[:, -1:]  # (n, 1)
+    # Stay strictly below the total (u * total can round up to it), and take the first index
+    # whose cdf exceeds the target (right=True): zero-weight tokens, flat in the cdf, never win.
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum(uniforms.to(cdf.device, non_blocking=True)[:, None] * total, below_total)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
