@@ -52,3 +52,33 @@ def test_combined_takes_the_source_that_pays():
     assert auto.choose_source(16)[0] is True
     use_ngram, k = auto.choose_source(2)
     assert use_ngram is False and k > 0
+
+
+def calibrate(auto: AutoK, rounds: int, confident: float, unsure: float) -> None:
+    """Rounds of 8 drafts: the confident ones are all accepted, the unsure one is rejected."""
+    for _ in range(rounds):
+        auto.observe_confidences([confident] * 7 + [unsure], n_accepted=7)
+
+
+def test_a_draft_model_keeps_going_while_its_calibrated_drafts_survive():
+    auto = AutoK()
+    feed(auto, 20, 8, 7, match=None, cost_per_token=0.02, draft_seconds=8 * 0.25)
+    calibrate(auto, 30, confident=0.999, unsure=0.5)
+    assert auto.keep_drafting([0.999] * 12)
+    assert not auto.keep_drafting([0.999] * 3 + [0.5])  # the unsure draft is usually wrong
+    assert not auto.keep_drafting([0.999] * auto.max_draft_k)  # the bound holds
+
+
+def test_costlier_draft_steps_end_rounds_sooner():
+    def run_length(draft_step: float) -> int:
+        auto = AutoK()
+        feed(auto, 20, 8, 4, match=None, cost_per_token=0.02, draft_seconds=8 * draft_step)
+        for _ in range(30):  # drafts given 0.9 are accepted 4 times in 5
+            auto.observe_confidences([0.9] * 5, n_accepted=4)
+        n = 1
+        while auto.keep_drafting([0.9] * n):
+            n += 1
+        return n
+
+    cheap, costly = run_length(0.05), run_length(0.6)
+    assert cheap > costly >= 1

@@ -78,8 +78,9 @@ class GreedyTableDrafter:
         return out
 
 
-def sample_joint(model, n: int, new_drafter=None, **kwargs) -> np.ndarray:
-    """Counts of the first 3 tokens over n seeds. By default the drafts are one-hot (k = 1)."""
+def sample_joint(model, n: int, new_drafter=None, max_new_tokens: int = 3, **kwargs) -> np.ndarray:
+    """Counts of the first 3 tokens over n seeds. By default the drafts are one-hot (k = 1).
+    A longer `max_new_tokens` lets rounds draft past the third token (their first 3 count)."""
     if new_drafter is None:
         memo: dict[tuple[int, ...], int] = {}
         new_drafter = lambda: GreedyTableDrafter(model, memo)  # noqa: E731
@@ -89,14 +90,14 @@ def sample_joint(model, n: int, new_drafter=None, **kwargs) -> np.ndarray:
         out = specfast.generate(
             model,
             PROMPT,
-            max_new_tokens=3,
+            max_new_tokens=max_new_tokens,
             temperature=1.0,
             seed=seed,
             drafter=new_drafter(),
             ignore_eos=True,
             **kwargs,
         )
-        counts[tuple(out.token_ids)] += 1
+        counts[tuple(out.token_ids[:3])] += 1
     return counts
 
 
@@ -204,4 +205,54 @@ def test_negative_control_q_from_unfiltered_logits_is_caught(
         specfast.draft.DraftModelDrafter, "_step", sample_filtered_report_unfiltered
     )
     counts = sample_joint_with_draft(model, draft_model, N)
+    assert chi2_pvalue(counts, exact_joint_top_k) < ALPHA
+
+
+# ----------------------------------------------------------------------------
+# "auto" k with a draft model: rounds end on the draft's own probabilities
+
+UNSURE = 0.45  # a draft given less than this ends its round (the top q here is 0.3-0.55)
+
+
+def stop_when_unsure(self, confidences):
+    return confidences[-1] >= UNSURE and len(confidences) < 3
+
+
+def sample_joint_stopping_early(model, draft):
+    return sample_joint(model, N, lambda: draft, max_new_tokens=5, top_k=TOP_K)
+
+
+def test_rounds_that_stop_on_the_drafts_probabilities_are_exact(
+    model, draft_model, exact_joint_top_k, monkeypatch
+):
+    from specfast.autok import AutoK
+
+    monkeypatch.setattr(AutoK, "keep_drafting", stop_when_unsure)
+    counts = sample_joint_stopping_early(model, draft_model)
+    assert chi2_pvalue(counts, exact_joint_top_k) > ALPHA
+
+
+def test_negative_control_dropping_an_unsure_draft_is_caught(
+    model, draft_model, exact_joint_top_k, monkeypatch
+):
+    import specfast.draft
+    from specfast.autok import AutoK
+
+    real_propose = specfast.draft.DraftModelDrafter.propose
+
+    def drop_unsure(self, k):
+        # The bug: the round ends on an unsure draft *and throws that draft away*. Which
+        # drafts reach the target then depends on the draft's own token, so q is no longer
+        # the distribution the verified drafts came from.
+        tokens = real_propose(self, k)
+        if tokens and self.confidences and self.confidences[-1] < UNSURE:
+            tokens = tokens[:-1]
+            self.confidences = self.confidences[:-1]
+            if self.draft_probs is not None:
+                self.draft_probs = self.draft_probs[:-1]
+        return tokens
+
+    monkeypatch.setattr(AutoK, "keep_drafting", stop_when_unsure)
+    monkeypatch.setattr(specfast.draft.DraftModelDrafter, "propose", drop_unsure)
+    counts = sample_joint_stopping_early(model, draft_model)
     assert chi2_pvalue(counts, exact_joint_top_k) < ALPHA

@@ -14,12 +14,22 @@ is right far more often than a 1-token one, and one global rate would let the ma
 useless matches of open text switch off the long, valuable ones of quoted text (or the reverse).
 A bucket whose rate says "off" is probed now and then, with exponential backoff, so a workload
 that starts repeating is noticed.
+
+A draft model's acceptance is anything but uniform: it copies a function it has seen with
+near-certainty and guesses at the next idea. So a round's length is not fixed in advance. The
+draft runs up to `max_draft_k` steps and stops once the next step is unlikely to pay
+(`keep_drafting`): the chance that every draft so far survives, from the draft's own
+probabilities calibrated online against what the target accepted (per bucket of probability),
+must exceed what the next step costs in tokens at the current rate.
 """
 
 from __future__ import annotations
 
 CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of match length
+# Lower edges of the draft model's probability for its token; the last buckets are narrow
+# because copying runs live there, where 0.99 and 0.999 mean very different run lengths.
+CONFIDENCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.98, 0.99, 0.995, 0.999)
 
 
 def match_bucket(match_length: int | None) -> int | None:
@@ -40,11 +50,19 @@ class _Rate:
         return self.accepts / (self.accepts + self.rejects)
 
 
+def confidence_bucket(p: float) -> float:
+    return max(b for b in CONFIDENCE_BUCKETS if b <= p) if p > 0 else 0.0
+
+
 class AutoK:
-    def __init__(self, max_k: int = 16, decay: float = 0.9):
+    def __init__(self, max_k: int = 16, decay: float = 0.9, max_draft_k: int = 32):
         self.max_k = max_k
+        self.max_draft_k = max_draft_k
         self.decay = decay
         self._rates: dict[int | None, _Rate] = {}
+        self._calibration: dict[float, _Rate] = {}  # confidence bucket -> acceptance
+        # Decayed sums of tokens committed and seconds spent per round: the running rate.
+        self._tokens, self._seconds = 0.0, 0.0
         # Pass cost t(n) = intercept + slope * n, fitted from decayed sums per n.
         self._sums: dict[int, list[float]] = {}  # n -> [weight, total seconds]
         self._fit: tuple[float, float, float] | None = None
@@ -78,6 +96,8 @@ class AutoK:
                 per = draft_seconds / n_draft
                 d = self.draft_step_seconds
                 self.draft_step_seconds = per if d == 0 else 0.8 * d + 0.2 * per
+        self._tokens = 0.9 * self._tokens + n_accepted + 1
+        self._seconds = 0.9 * self._seconds + seconds + draft_seconds
         w_t = self._sums.setdefault(n_draft + 1, [0.0, 0.0])
         w_t[0] = 0.8 * w_t[0] + 1.0
         w_t[1] = 0.8 * w_t[1] + seconds
@@ -133,6 +153,41 @@ class AutoK:
         if match_length == 0:
             return 0
         return self._or_probe(self._best(match_length)[0], match_length)
+
+    def observe_confidences(self, confidences: list[float], n_accepted: int) -> None:
+        """Calibrates the draft's probabilities: which of this round's drafts were accepted."""
+        for i, p in enumerate(confidences[: n_accepted + 1]):
+            r = self._confidence_rate(p)
+            r.accepts = 0.98 * r.accepts + (i < n_accepted)
+            r.rejects = 0.98 * r.rejects + (i == n_accepted)
+
+    def _confidence_rate(self, p: float) -> _Rate:
+        b = confidence_bucket(p)
+        if b not in self._calibration:
+            self._calibration[b] = _Rate(prior=min(b + 0.05, 0.99))
+        return self._calibration[b]
+
+    def keep_drafting(self, confidences: list[float]) -> bool:
+        """After a draft-model step: is one more step worth it? The next draft adds a token only
+        if it and every earlier draft are accepted; that chance (the calibrated probabilities
+        so far, times the last one again as the guess for the next) must beat the tokens the
+        step's cost would buy at the running rate."""
+        if len(confidences) >= self.max_draft_k:
+            return False
+        survive = 1.0
+        for p in confidences:
+            survive *= self._confidence_rate(p).value
+        survive *= self._confidence_rate(confidences[-1]).value
+        n = len(confidences)
+        step = self.draft_step_seconds + self.pass_seconds(n + 2) - self.pass_seconds(n + 1)
+        if self.draft_step_seconds == 0 or self._seconds == 0:
+            return survive >= 0.5  # nothing measured yet
+        return survive >= step * self._tokens / self._seconds
+
+    def choose_draft(self) -> int:
+        """A draft model's k bound for this round: 0 (plain) when drafting does not pay,
+        else `max_draft_k`, with `keep_drafting` ending the round early."""
+        return self.max_draft_k if self.choose(None) else 0
 
     def choose_source(self, match_length: int) -> tuple[bool, int]:
         """For an n-gram + draft-model pair: (draft with the n-gram?, k), whichever pays more."""

@@ -8,9 +8,16 @@ bonus token, at least), and then runs k autoregressive steps.
 When sampling, each draft token is drawn from q = logits_to_probs(draft logits, same
 temperature/top-k/top-p/min-p as the target), and that very tensor is what `draft_probs` hands
 to the acceptance rule, so the q in the ratio is the q sampled from by construction.
+
+With `keep_going` set (generate()'s "auto" k does this), the drafter records the probability it
+gave each draft token and stops early when `keep_going(confidences)` says another step will not
+pay. Stopping on the draft's own probabilities keeps sampling exact: whether position i + 1 gets
+a draft depends only on the draft side, never on the target's verdict.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -43,6 +50,8 @@ class DraftModelDrafter:
         self._known = 0
         self._cached_drafts: list[int] = []
         self.draft_probs: torch.Tensor | None = None  # (k, V) q of the last proposal, sampling only
+        self.keep_going: Callable[[list[float]], bool] | None = None
+        self.confidences: list[float] = []  # the draft's probability of each draft token
 
     def extend(self, tokens) -> None:
         self.committed.extend(int(t) for t in tokens)
@@ -56,17 +65,30 @@ class DraftModelDrafter:
     def __len__(self) -> int:
         return len(self.committed)
 
-    def propose(self, k: int) -> list[int]:
-        if not self.committed or k <= 0:
-            return []
-        # Roll back to the longest cached prefix that was committed (drafts that were accepted
-        # stay), then feed the rest; the last committed token is always fed.
+    def prefill(self) -> None:
+        """Runs the draft over all committed tokens but the last, so the first proposal (and its
+        measured cost) is one ordinary step rather than a whole prompt."""
+        keep = self._rollback_point()
+        if keep < len(self.committed) - 1:
+            feed = torch.tensor(self.committed[keep:-1], dtype=torch.long, device=self.device)
+            self.decoder.forward(feed, last_only=True)
+        self._known, self._cached_drafts = len(self.committed) - 1, []
+
+    def _rollback_point(self) -> int:
+        """Rolls the cache back to the longest cached prefix that was committed and returns its
+        length; drafts that were accepted stay. The last committed token is never kept."""
         known = self._known  # committed for sure; of the cached drafts, keep those accepted
         keep = known + _common_prefix(self._cached_drafts, self.committed[known:])
         keep = min(keep, len(self.committed) - 1)
         self.decoder.rollback(keep)
+        return keep
+
+    def propose(self, k: int) -> list[int]:
+        if not self.committed or k <= 0:
+            return []
+        keep = self._rollback_point()
         feed = torch.tensor(self.committed[keep:], dtype=torch.long, device=self.device)
-        drafts, qs = [], []
+        drafts, qs, confidences = [], [], []
         for _ in range(k):
             logits = self.decoder.forward(feed, last_only=True)  # (1, V)
             nxt, q = self._step(logits)
@@ -74,10 +96,17 @@ class DraftModelDrafter:
             if q is not None:
                 qs.append(q)
             feed = nxt
+            if self.keep_going is not None:
+                # One host sync per step; a draft step is a whole forward, so it is cheap.
+                q_row = q if q is not None else torch.softmax(logits.float(), dim=-1)
+                confidences.append(float(q_row[0, nxt]))
+                if not self.keep_going(confidences):
+                    break
         tokens = torch.cat(drafts).tolist()  # the one host sync of the proposal
         self._known = len(self.committed)
         self._cached_drafts = tokens[:-1]
         self.draft_probs = torch.cat(qs) if qs else None
+        self.confidences = confidences
         return tokens
 
     def _step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -134,6 +163,7 @@ class CombinedDrafter:
         self.ngram = ngram if ngram is not None else NgramDrafter()
         self.draft: DraftModelDrafter | None = None  # bound by generate(), which knows the target
         self.draft_probs: torch.Tensor | None = None
+        self.confidences: list[float] = []  # the draft model's, when it drafted this round
         # Set by generate()'s auto k each round: True = n-gram, False = model, None = min_match.
         self.use_ngram: bool | None = None
 
@@ -155,14 +185,18 @@ class CombinedDrafter:
         if self.draft is not None:
             self.draft.extend(tokens)
 
+    def prefill(self) -> None:
+        if self.draft is not None:
+            self.draft.prefill()
+
     def propose(self, k: int) -> list[int]:
         if self.draft is None:
             raise ValueError("CombinedDrafter is bound to a target by generate(); pass it there")
         if self._ngram_turn():
             tokens = self.ngram.propose(k)
             if tokens:
-                self.draft_probs = None  # one-hot drafts
+                self.draft_probs, self.confidences = None, []  # one-hot drafts
                 return tokens
         tokens = self.draft.propose(k)
-        self.draft_probs = self.draft.draft_probs
+        self.draft_probs, self.confidences = self.draft.draft_probs, self.draft.confidences
         return tokens

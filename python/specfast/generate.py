@@ -215,6 +215,7 @@ def generate(
     sampling = None if greedy else (seed, params)
 
     # The drafter: None, an n-gram index over the committed tokens, or a draft model.
+    model_drafter = None
     if isinstance(drafter, str):
         if drafter != "ngram":
             raise ValueError(
@@ -239,6 +240,8 @@ def generate(
             f"got {type(drafter).__name__}"
         )
     auto = AutoK() if fixed_k is None else None
+    if auto is not None and model_drafter is not None:
+        model_drafter.keep_going = auto.keep_drafting
     stats = GenerationStats(acceptance_histogram=[0] * ((fixed_k or MAX_SPECULATIVE_TOKENS) + 1))
     emit = _Emitter(streamer, tokenizer, prompt_ids, eos_ids, stops, max_new_tokens)
 
@@ -254,6 +257,8 @@ def generate(
         if drafter is not None:
             drafter.extend(prompt_ids)
             drafter.extend(emit.token_ids)
+            if hasattr(drafter, "prefill"):
+                drafter.prefill()  # a draft model reads the prompt now, not in round one
 
         while not emit.done:
             budget = max_new_tokens - len(emit.token_ids) - 1  # proposals past this are wasted
@@ -263,6 +268,10 @@ def generate(
                 k = fixed_k
             elif isinstance(drafter, CombinedDrafter):
                 drafter.use_ngram, k = auto.choose_source(drafter.ngram.match_length)
+                if k and not drafter.use_ngram:
+                    k = auto.max_draft_k  # the draft model stops itself (keep_drafting)
+            elif drafter is model_drafter:
+                k = auto.choose_draft()
             else:
                 k = auto.choose(getattr(drafter, "match_length", None))
             k = min(k, budget)
@@ -277,9 +286,11 @@ def generate(
             ids = torch.tensor([emit.token_ids[-1], *draft], dtype=torch.long, device=device)
             logits = decoder.forward(ids)  # (1 + len(draft), V)
             out = _choose(logits, draft, q, len(emit.token_ids), sampling)
-            if auto is not None:
-                auto.observe(len(draft), len(out) - 1, time.perf_counter() - t1, t1 - t0, match)
             n_accepted = len(out) - 1
+            if auto is not None:
+                auto.observe(len(draft), n_accepted, time.perf_counter() - t1, t1 - t0, match)
+                if draft and getattr(drafter, "confidences", None):
+                    auto.observe_confidences(drafter.confidences, n_accepted)
             # Keep [last, accepted drafts] in the cache; the new token goes in next round.
             decoder.rollback(decoder.length - len(draft) + n_accepted)
             committed = emit.commit(*out)
