@@ -241,7 +241,10 @@ def test_specfast_engine_passes_the_benchmark_settings():
     def fake_generate(model, ids, **kw):
         seen.update(kw, model=model, ids=ids)
         stats = SimpleNamespace(
-            target_passes=3, mean_acceptance_length=2.0, acceptance_histogram=[1, 0, 2]
+            target_passes=3,
+            mean_acceptance_length=2.0,
+            acceptance_histogram=[1, 0, 2],
+            prefill_seconds=0.5,
         )
         return SimpleNamespace(token_ids=[7, 8, 9, 10, 11, 12], stats=stats)
 
@@ -249,7 +252,7 @@ def test_specfast_engine_passes_the_benchmark_settings():
         "M", drafter="ngram", k="auto", max_new_tokens=6, generate=fake_generate
     )
     out = run([1, 2])
-    assert out == EngineOutput([7, 8, 9, 10, 11, 12], 3, 2.0, [1, 0, 2])
+    assert out == EngineOutput([7, 8, 9, 10, 11, 12], 3, 2.0, [1, 0, 2], prefill_seconds=0.5)
     assert seen["ids"] == [1, 2] and seen["model"] == "M"
     assert seen["temperature"] == 0.0 and seen["max_new_tokens"] == 6
     assert seen["drafter"] == "ngram" and seen["num_speculative_tokens"] == "auto"

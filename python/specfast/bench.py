@@ -53,6 +53,7 @@ class EngineOutput:
     target_passes: int | None = None
     mean_acceptance_length: float | None = None
     acceptance_histogram: list[int] | None = None
+    prefill_seconds: float | None = None  # time to the first token (specfast engines)
 
 
 Engine = Callable[[list[int]], EngineOutput]
@@ -70,6 +71,14 @@ class Run:
     mean_acceptance_length: float | None
     acceptance_histogram: list[int] | None
     token_ids: list[int] = field(repr=False)
+    prefill_seconds: float | None = None
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first, per second after the first: the rate once the prompt is in."""
+        if self.prefill_seconds is None or self.seconds <= self.prefill_seconds:
+            return None
+        return (self.new_tokens - 1) / (self.seconds - self.prefill_seconds)
 
     @property
     def tokens_per_second(self) -> float:
@@ -151,6 +160,7 @@ def run_interleaved(
                             mean_acceptance_length=out.mean_acceptance_length,
                             acceptance_histogram=out.acceptance_histogram,
                             token_ids=ids_out,
+                            prefill_seconds=out.prefill_seconds,
                         )
                     )
                     bar.update()
@@ -367,7 +377,11 @@ def write_json(
         "summary": summary,
         "runs": [
             asdict(r)
-            | {"tokens_per_second": r.tokens_per_second, "first_eos": _first(r.token_ids, eos)}
+            | {
+                "tokens_per_second": r.tokens_per_second,
+                "decode_tokens_per_second": r.decode_tokens_per_second,
+                "first_eos": _first(r.token_ids, eos),
+            }
             for r in runs
         ],
     }
@@ -528,6 +542,7 @@ def specfast_engine(
             target_passes=s.target_passes,
             mean_acceptance_length=s.mean_acceptance_length,
             acceptance_histogram=list(hist) if hist is not None else None,
+            prefill_seconds=s.prefill_seconds,
         )
 
     return run
