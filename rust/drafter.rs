@@ -28,7 +28,7 @@
 //! one token cost O(n) each). `propose` is O(1) plus the tokens copied for `Earliest` and
 //! `Recent`; `Frequent` costs O(out-degree) per proposed token.
 
-use crate::automaton::{Automaton, Tracking, MAX_TOKENS, ROOT};
+use crate::automaton::{reserve_touched, Automaton, Tracking, MAX_TOKENS, ROOT};
 use crate::error::{Error, Result};
 
 /// The largest `k` that `propose` accepts.
@@ -199,7 +199,10 @@ impl Drafter {
             )));
         }
         if tokens.len() > 64 {
-            self.live.reserve(tokens.len());
+            // A long extend is usually a prompt, and generation follows: leave room for it, or the
+            // first round after the prompt pays for moving the whole sequence. (The automaton's
+            // reserve already leaves room.)
+            reserve_touched(&mut self.live, tokens.len() + tokens.len() / 4, 0);
             self.live_sam.reserve(tokens.len());
         }
         for &t in tokens {
@@ -207,6 +210,7 @@ impl Drafter {
             self.live_sam.push(t);
             self.step_corpus(t);
         }
+        self.prefetch_proposal();
         Ok(())
     }
 
@@ -301,6 +305,23 @@ impl Drafter {
         self.corpus_sam.start_document();
         for &t in doc {
             self.corpus_sam.push(t);
+        }
+    }
+
+    /// Starts loading the tokens that `propose` would copy for the live match. They sit at a
+    /// random place in a long sequence, a cache miss that can overlap the return to the caller.
+    fn prefetch_proposal(&self) {
+        let (length, v) = self.live_match();
+        if length == 0 {
+            return;
+        }
+        let end = match self.config.policy {
+            Policy::Earliest => self.live_sam.first_end(v),
+            Policy::Recent => self.live_sam.recent_before(),
+            Policy::Frequent => return,
+        };
+        if let Some(t) = self.live.get(end as usize + 1) {
+            prefetch(t);
         }
     }
 
@@ -413,6 +434,21 @@ impl Drafter {
         }
         out
     }
+}
+
+/// Starts loading the cache line holding `r`, without waiting for it.
+#[inline]
+fn prefetch<T>(r: &T) {
+    // The intrinsic is safe to call since Rust 1.87 (SSE is baseline on x86_64); the `unsafe`
+    // block keeps the minimum supported Rust building.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unused_unsafe)]
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(r).cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = r;
 }
 
 /// The most frequent continuation, step by step, ties to the smallest token id.
