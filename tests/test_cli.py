@@ -373,3 +373,17 @@ def test_generate_default_model(capsys):
     rc, stdout, err = run_main([*argv, "--max-new-tokens", "16"], capsys)
     assert rc == 0, err
     assert stdout.strip() and "target passes" in err
+
+
+@needs_runtime
+def test_generate_with_an_int8_draft(tiny_model_dir, capsys):
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc"]
+    argv += ["--drafter", str(tiny_model_dir), "--draft-int8", "--max-new-tokens", "8"]
+    rc, _, err = run_main(argv, capsys)
+    assert rc == 0, err
+    assert "mean acceptance length" in err
+
+
+def test_int8_without_a_draft_model_is_refused(capsys):
+    rc, _, err = run_main(["generate", "--prompt", "hi", "--draft-int8"], capsys)
+    assert rc != 0 and "--draft-int8 needs a draft model" in err

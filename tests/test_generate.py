@@ -104,6 +104,19 @@ def test_draft_model_greedy_equals_plain():
         assert out.token_ids == want
 
 
+def test_an_int8_draft_changes_acceptance_not_output():
+    target = tiny("llama-gqa-untied", seed=0)
+    draft = tiny("llama-gqa-untied", seed=0).quantize_int8()  # the target's weights, in int8
+    prompt = prompt_for(target)
+    want = plain(target, prompt, 40)
+    for k in (4, "auto"):
+        out = specfast.generate(
+            target, prompt, max_new_tokens=40, drafter=draft, num_speculative_tokens=k
+        )
+        assert out.token_ids == want
+        assert out.stats.accepted_tokens > 0
+
+
 def test_target_as_its_own_draft_accepts_everything():
     model = tiny()
     prompt = prompt_for(model)

@@ -126,6 +126,24 @@ def test_prepacked_weights_match_plain_linear(tiny_model, ids, dtype):
     torch.testing.assert_close(packed, plain, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_weights_stay_close_and_are_used(tiny_model, ids, dtype):
+    model = Model.from_config(tiny_model.config, seed=0, dtype=dtype)
+    ref = model.decoder(64).forward(ids).float()
+    model.quantize_int8()
+    assert isinstance(model.packed_weights()[-1], tuple)  # the int8 path, not the bf16 one
+    got = model.decoder(64).forward(ids).float()
+    assert not torch.equal(got, ref)
+    # Per-row int8 of N(0, 0.02) weights: errors of a few 1e-3 on logits of size ~0.1.
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_int8_is_refused_off_cpu(tiny_model):
+    model = Model.from_config(tiny_model.config, seed=0).to("meta")
+    with pytest.raises(ValueError, match="CPU only"):
+        model.quantize_int8()
+
+
 def test_unpack_after_editing_weights(tiny_model, ids):
     before = tiny_model.decoder(64).forward(ids)
     with torch.no_grad():

@@ -31,11 +31,13 @@ ENGINES = (
     "specfast-plain",
     "specfast-ngram",
     "specfast-draft",
+    "specfast-draft-int8",
     "specfast-combined",
     "hf-plain",
     "hf-prompt-lookup",
     "hf-assisted",
 )
+# specfast-draft-int8 runs the same draft with int8 weights (Model.quantize_int8); opt-in.
 DRAFT_ENGINES = ("specfast-draft", "specfast-combined", "hf-assisted")
 DEFAULT_ENGINES = ("specfast-plain", "specfast-ngram", "hf-plain", "hf-prompt-lookup")
 SWEEP_KS = (1, 2, 4, 8, 16, 32)
@@ -395,6 +397,7 @@ _COLORS = {
     "specfast-plain": "#9ecae1",
     "specfast-ngram": "#08519c",
     "specfast-draft": "#3182bd",
+    "specfast-draft-int8": "#6baed6",
     "specfast-combined": "#31a354",
     "hf-plain": "#bdbdbd",
     "hf-prompt-lookup": "#e6550d",
@@ -637,13 +640,17 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     hf_needed = any(e.startswith("hf-") for e in engines_wanted)
 
     print(f"loading {model_path} ({args.dtype}, {args.device})", file=sys.stderr)
-    sf_model = sf_draft = hf_model = hf_draft = None
+    sf_model = sf_draft = sf_draft_int8 = hf_model = hf_draft = None
     if sf_needed:
         import specfast
 
         sf_model = specfast.load_model(str(model_path), device=args.device, dtype=args.dtype)
         if args.draft:
             sf_draft = specfast.load_model(str(args.draft), device=args.device, dtype=args.dtype)
+        if args.draft and "specfast-draft-int8" in engines_wanted:
+            sf_draft_int8 = specfast.load_model(
+                str(args.draft), device=args.device, dtype=args.dtype
+            ).quantize_int8()
     if hf_needed:
         import transformers
 
@@ -678,6 +685,10 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             engines[e] = specfast_engine(sf_model, drafter="ngram", k=args.k, max_new_tokens=n)
         elif e == "specfast-draft":
             engines[e] = specfast_engine(sf_model, drafter=sf_draft, k=args.k, max_new_tokens=n)
+        elif e == "specfast-draft-int8":
+            engines[e] = specfast_engine(
+                sf_model, drafter=sf_draft_int8, k=args.k, max_new_tokens=n
+            )
         elif e == "specfast-combined":
             engines[e] = specfast_engine(
                 sf_model, drafter=_Combined(sf_draft), k=args.k, max_new_tokens=n

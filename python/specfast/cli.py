@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="'ngram' (default), 'none' for plain decoding, a draft model path, or "
         "'ngram+PATH': the n-gram where the context repeats, the draft model elsewhere",
     )
+    g.add_argument(
+        "--draft-int8",
+        action="store_true",
+        help="run the draft model with int8 weights (CPU; faster drafts, same output)",
+    )
     g.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -269,6 +274,10 @@ def _check_device(device: str) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
+    if args.draft_int8 and args.drafter in ("ngram", "none"):
+        raise CLIError("--draft-int8 needs a draft model: --drafter PATH or ngram+PATH")
+    if args.draft_int8 and args.device != "cpu":
+        raise CLIError("--draft-int8 runs on CPU only")
     model_path = resolve_model(args.model)
     _check_device(args.device)
     import specfast
@@ -289,6 +298,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         drafter = specfast.load_model(
             str(resolve_model(path)), device=args.device, dtype=args.dtype
         )
+        if args.draft_int8:
+            drafter.quantize_int8()
         if combined:
             drafter = specfast.CombinedDrafter(drafter)
 
@@ -315,7 +326,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]):
     if args.engines is None:
         args.engines = list(DEFAULT_ENGINES) + (list(DRAFT_ENGINES) if args.draft else [])
-    needs_draft = [e for e in args.engines if e in DRAFT_ENGINES]
+    needs_draft = [e for e in args.engines if e in (*DRAFT_ENGINES, "specfast-draft-int8")]
     if needs_draft and not args.draft:
         parser.error(f"engine {needs_draft[0]} needs a draft model: pass --draft PATH")
     model_path = resolve_model(args.model)

@@ -123,11 +123,25 @@ _HAS_MKLDNN_LINEAR = (
 )
 
 
+_HAS_INT8_MM = hasattr(torch, "_weight_int8pack_mm")
+
+
 def _linear(x, weight, packed=None, bias=None):
-    """F.linear, through a oneDNN-prepacked weight when there is one."""
+    """F.linear, through a oneDNN-prepacked weight or an int8 (weight, scales) pair if given."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, tuple):
+        y = torch._weight_int8pack_mm(x, *packed)
+        return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (N, K) int8 and (N,) scales in w's dtype."""
+    w32 = w.detach().float()
+    scales = (w32.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    q = torch.round(w32 / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scales.to(w.dtype)
 
 
 class Model(nn.Module):
@@ -158,6 +172,7 @@ class Model(nn.Module):
         self._rope_cache: dict = {}
         self._packed: list | None = None  # oneDNN-prepacked CPU weights, built on first use
         self.prepack = True
+        self.int8 = False  # see quantize_int8
 
     @classmethod
     def from_config(cls, config: ModelConfig, seed: int = 0, device=None, dtype="float32"):
@@ -216,7 +231,8 @@ class Model(nn.Module):
     # -- CPU weight prepacking
 
     def packed_weights(self) -> list | None:
-        """Per layer (wqkv, wo, w_gate_up, w_down) and then lm_head, as oneDNN-blocked weights.
+        """Per layer (wqkv, wo, w_gate_up, w_down) and then lm_head, as oneDNN-blocked weights
+        (or as int8 (weight, scales) pairs after `quantize_int8()`).
 
         On CPU, a plain F.linear makes oneDNN re-lay out a bf16 weight on every call, and MKL's
         fp32 GEMM gets slow for 2-16 rows. Prepacked weights make a forward over 1-16 tokens cost
@@ -227,7 +243,14 @@ class Model(nn.Module):
             return self._packed or None
         ok = self.prepack and self.device.type == "cpu" and _HAS_MKLDNN_LINEAR
         packed = []
-        if ok:
+        if self.int8 and self.device.type == "cpu":
+            for layer in self.layers:
+                ws = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+                packed.append([_int8_rows(m.weight) for m in ws])
+            packed.append(
+                _int8_rows(self.embed.weight if self.lm_head is None else self.lm_head.weight)
+            )
+        elif ok:
             reorder = torch.ops.mkldnn._reorder_linear_weight
             try:  # blocked for 16 rows: as fast as unpacked for 1 row, 1.5-2x faster for 4-16
                 for layer in self.layers:
@@ -242,6 +265,22 @@ class Model(nn.Module):
 
     def unpack(self) -> None:
         self._packed = None
+
+    def quantize_int8(self) -> Model:
+        """Runs every matrix but the embedding lookup with int8 weights (one scale per output
+        row), on CPU: a decode step reads half the bytes of bf16, about 1.4x faster here.
+
+        Meant for draft models: a draft only decides what gets proposed, never what is
+        committed, so its precision costs acceptance at most, not exactness. Quantizing a
+        target changes what that model generates. Keeps the float weights; returns self.
+        """
+        if not _HAS_INT8_MM:
+            raise ValueError("this torch build has no int8 weight kernel (_weight_int8pack_mm)")
+        if self.device.type != "cpu":
+            raise ValueError(f"quantize_int8 runs on CPU only; the model is on {self.device}")
+        self.int8 = True
+        self._packed = None
+        return self
 
     # -- forward
 
