@@ -25,6 +25,8 @@ must exceed what the next step costs in tokens at the current rate.
 
 from __future__ import annotations
 
+import bisect
+
 CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of match length
 # Lower edges of the draft model's probability for its token; the last buckets are narrow
@@ -51,7 +53,7 @@ class _Rate:
 
 
 def confidence_bucket(p: float) -> float:
-    return max(b for b in CONFIDENCE_BUCKETS if b <= p) if p > 0 else 0.0
+    return CONFIDENCE_BUCKETS[max(bisect.bisect_right(CONFIDENCE_BUCKETS, p) - 1, 0)]
 
 
 class AutoK:

@@ -97,12 +97,11 @@ class DraftModelDrafter:
                 qs.append(q)
             feed = nxt
             if self.keep_going is not None:
-                # One host sync per step; a draft step is a whole forward, so it is cheap.
-                q_row = q if q is not None else torch.softmax(logits.float(), dim=-1)
-                confidences.append(float(q_row[0, nxt]))
+                # A host sync per step, small next to the step's forward.
+                confidences.append(_probability(logits, q, nxt))
                 if not self.keep_going(confidences):
                     break
-        tokens = torch.cat(drafts).tolist()  # the one host sync of the proposal
+        tokens = torch.cat(drafts).tolist()  # without keep_going, the proposal's one host sync
         self._known = len(self.committed)
         self._cached_drafts = tokens[:-1]
         self.draft_probs = torch.cat(qs) if qs else None
@@ -115,6 +114,14 @@ class DraftModelDrafter:
             return logits.argmax(dim=-1), None  # stays on the device: no sync per step
         q = logits_to_probs(logits, **self.sampling)  # (1, V)
         return torch.multinomial(q, 1, generator=self.generator)[0], q
+
+
+def _probability(logits: torch.Tensor, q: torch.Tensor | None, token: torch.Tensor) -> float:
+    """The probability the draft gave `token`: from q when sampling, else softmax(logits)."""
+    if q is not None:
+        return float(q[0, token])
+    row = logits[0].float()
+    return float(torch.exp(row[token] - torch.logsumexp(row, dim=0)))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
