@@ -117,42 +117,6 @@ def test_an_int8_draft_changes_acceptance_not_output():
         assert out.stats.accepted_tokens > 0
 
 
-class FixedGuess:
-    """A lookahead that guesses a given continuation."""
-
-    def __init__(self, tokens):
-        self.tokens = tokens
-
-    def extend(self, tokens):
-        pass
-
-    def propose(self, k):
-        return self.tokens[:k]
-
-
-def lookahead_proposal(guess, k=12):
-    """(proposal, draft forwards) of a draft checking `guess` against its own greedy tokens."""
-    from specfast.draft import DraftModelDrafter
-
-    target, draft = tiny("llama-gqa-untied", seed=0), tiny("llama-gqa-untied", seed=1)
-    d = DraftModelDrafter(draft, target=target, max_length=64)
-    d.lookahead = FixedGuess(guess)
-    d.extend(prompt_for(target))
-    d.prefill()
-    calls = []
-    real = d.decoder.forward
-    d.decoder.forward = lambda ids, last_only=False: calls.append(1) or real(ids, last_only)
-    return d.propose(k), len(calls)
-
-
-def test_a_checked_guess_gives_the_drafts_own_greedy_tokens():
-    want, steps = lookahead_proposal([])  # no guess: 12 ordinary steps
-    assert steps == 12
-    assert lookahead_proposal(want[:11]) == (want, 1)  # all guessed right: one batched step
-    wrong = [*want[:3], (want[3] + 1) % 96, *want[4:11]]
-    assert lookahead_proposal(wrong) == (want, 1 + 8)  # right up to 3: then 8 ordinary steps
-
-
 def test_target_as_its_own_draft_accepts_everything():
     model = tiny()
     prompt = prompt_for(model)

@@ -21,12 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from specfast._core import NgramDrafter
 from specfast.runtime import make_decoder, model_facts, tokenizer_vocab
 from specfast.sampling import logits_to_probs
-
-LOOKAHEAD = 16  # longest n-gram guess a draft forward checks at once
-LOOKAHEAD_MIN_MATCH = 2  # a 1-token match guesses badly and makes the batched step wasteful
 
 
 class DraftModelDrafter:
@@ -56,19 +52,11 @@ class DraftModelDrafter:
         self.draft_probs: torch.Tensor | None = None  # (k, V) q of the last proposal, sampling only
         self.keep_going: Callable[[list[float]], bool] | None = None
         self.confidences: list[float] = []  # the draft's probability of each draft token
-        # Greedy drafting: an n-gram guess at the draft's own continuation, checked in one
-        # batched draft forward (see propose). None turns it off.
-        self.lookahead = NgramDrafter(min_match=LOOKAHEAD_MIN_MATCH) if self.greedy else None
 
     def extend(self, tokens) -> None:
-        n = len(self.committed)
         self.committed.extend(int(t) for t in tokens)
-        if self.lookahead is not None:
-            self.lookahead.extend(self.committed[n:])
 
     def reset(self) -> None:
-        if self.lookahead is not None:
-            self.lookahead.reset()
         self.committed.clear()
         self._cached_drafts.clear()
         self._known = 0
@@ -99,9 +87,6 @@ class DraftModelDrafter:
         if not self.committed or k <= 0:
             return []
         keep = self._rollback_point()
-        guess = self.lookahead.propose(min(k - 1, LOOKAHEAD)) if self.lookahead else []
-        if guess:
-            return self._propose_with_guess(k, keep, guess)
         feed = torch.tensor(self.committed[keep:], dtype=torch.long, device=self.device)
         drafts, qs, confidences = [], [], []
         for _ in range(k):
@@ -120,45 +105,6 @@ class DraftModelDrafter:
         self._known = len(self.committed)
         self._cached_drafts = tokens[:-1]
         self.draft_probs = torch.cat(qs) if qs else None
-        self.confidences = confidences
-        return tokens
-
-    def _propose_with_guess(self, k: int, keep: int, guess: list[int]) -> list[int]:
-        """Greedy drafting where the n-gram guesses the draft's continuation: one draft forward
-        over [unfed committed tokens, guess] gives the draft's own greedy token after each guessed
-        prefix; the guess is kept while it equals them, so the drafts are exactly the draft
-        model's greedy tokens, and a copied stretch costs one batched step instead of one step
-        per token. Then ordinary steps continue while `keep_going` allows, up to k drafts."""
-        feed = self.committed[keep:]
-        ids = torch.tensor(feed + guess, dtype=torch.long, device=self.device)
-        rows = self.decoder.forward(ids)[len(feed) - 1 :].float()  # (1 + len(guess), V)
-        best = rows.argmax(dim=-1)
-        probs = torch.exp(rows.gather(1, best[:, None])[:, 0] - rows.logsumexp(dim=-1))
-        best_l, probs_l = best.tolist(), probs.tolist()  # one host sync
-        n_right = _common_prefix(guess, best_l)
-        tokens, confidences, stopped = [], [], False
-        for token, p in zip(best_l[: n_right + 1], probs_l[: n_right + 1], strict=True):
-            tokens.append(token)
-            confidences.append(p)
-            stopped = self.keep_going is not None and not self.keep_going(confidences)
-            if stopped or len(tokens) == k:
-                break
-        # The cache holds committed + guess; keep committed + tokens[:-1] (those equal guesses).
-        self.decoder.rollback(len(self.committed) + len(tokens) - 1)
-        if not stopped and len(tokens) == n_right + 1 and len(tokens) < k:
-            # Past the guess: ordinary steps from the draft's own token.
-            feed_t = torch.tensor(tokens[-1:], dtype=torch.long, device=self.device)
-            for _ in range(k - len(tokens)):
-                logits = self.decoder.forward(feed_t, last_only=True)  # (1, V)
-                feed_t = logits.argmax(dim=-1)
-                tokens.append(int(feed_t))
-                if self.keep_going is not None:
-                    confidences.append(_probability(logits, None, feed_t))
-                    if not self.keep_going(confidences):
-                        break
-        self._known = len(self.committed)
-        self._cached_drafts = tokens[:-1]
-        self.draft_probs = None
         self.confidences = confidences
         return tokens
 
