@@ -28,7 +28,7 @@
 //! one token cost O(n) each). `propose` is O(1) plus the tokens copied for `Earliest` and
 //! `Recent`; `Frequent` costs O(out-degree) per proposed token.
 
-use crate::automaton::{reserve_touched, Automaton, Tracking, MAX_TOKENS, ROOT};
+use crate::automaton::{prefetch, reserve_touched, Automaton, Tracking, MAX_TOKENS, ROOT};
 use crate::error::{Error, Result};
 
 /// The largest `k` that `propose` accepts.
@@ -434,21 +434,6 @@ impl Drafter {
         }
         out
     }
-}
-
-/// Starts loading the cache line holding `r`, without waiting for it.
-#[inline]
-fn prefetch<T>(r: &T) {
-    // The intrinsic is safe to call since Rust 1.87 (SSE is baseline on x86_64); the `unsafe`
-    // block keeps the minimum supported Rust building.
-    #[cfg(target_arch = "x86_64")]
-    #[allow(unused_unsafe)]
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(r).cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = r;
 }
 
 /// The most frequent continuation, step by step, ties to the smallest token id.
