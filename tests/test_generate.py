@@ -523,3 +523,42 @@ def test_last_only_logits_equal_the_last_row():
     last = model.decoder(64).forward(ids, last_only=True)
     assert last.shape == (1, model.vocab_size)
     torch.testing.assert_close(last, full[-1:], rtol=0, atol=1e-5)
+
+
+def proposals_outside(monkeypatch, draft_vocabulary) -> tuple[int, int]:
+    """(drafts a draft model proposed outside its allowed tokens, drafts accepted), with the
+    target as its own draft; allowed = ids below `draft_vocabulary` plus tokens seen so far."""
+    import specfast.draft
+
+    real_propose = specfast.draft.DraftModelDrafter.propose
+    outside = []
+
+    def propose(self, k):
+        tokens = real_propose(self, k)
+        outside.extend(t for t in tokens if t >= 16 and t not in self.committed)
+        return tokens
+
+    monkeypatch.setattr(specfast.draft.DraftModelDrafter, "propose", propose)
+    target = tiny("llama-gqa-untied", seed=0)
+    prompt = prompt_for(target)
+    out = specfast.generate(
+        target, prompt, max_new_tokens=40, drafter=target, draft_vocabulary=draft_vocabulary
+    )
+    assert out.token_ids == plain(target, prompt, 40)
+    return len(outside), out.stats.accepted_tokens
+
+
+def test_a_draft_of_part_of_the_vocabulary_proposes_only_those_tokens(monkeypatch):
+    outside, accepted = proposals_outside(monkeypatch, 16)
+    assert outside == 0 and accepted > 0
+
+
+def test_negative_control_a_draft_of_the_whole_vocabulary_is_seen_outside(monkeypatch):
+    assert proposals_outside(monkeypatch, None)[0] > 0
+
+
+def test_draft_vocabulary_is_checked():
+    target = tiny("llama-gqa-untied", seed=0)
+    for bad in (0, -3, 2.5, "all", True):
+        with pytest.raises(ValueError, match="draft_vocabulary"):
+            specfast.generate(target, [1, 2], max_new_tokens=2, draft_vocabulary=bad)

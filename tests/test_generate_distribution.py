@@ -78,7 +78,9 @@ class GreedyTableDrafter:
         return out
 
 
-def sample_joint(model, n: int, new_drafter=None, max_new_tokens: int = 3, **kwargs) -> np.ndarray:
+def sample_joint(
+    model, n: int, new_drafter=None, max_new_tokens: int = 3, prompt=PROMPT, **kwargs
+) -> np.ndarray:
     """Counts of the first 3 tokens over n seeds. By default the drafts are one-hot (k = 1).
     A longer `max_new_tokens` lets rounds draft past the third token (their first 3 count)."""
     if new_drafter is None:
@@ -89,7 +91,7 @@ def sample_joint(model, n: int, new_drafter=None, max_new_tokens: int = 3, **kwa
     for seed in range(n):
         out = specfast.generate(
             model,
-            PROMPT,
+            prompt,
             max_new_tokens=max_new_tokens,
             temperature=1.0,
             seed=seed,
@@ -165,20 +167,24 @@ def draft_model() -> Model:
     return sharpened(ModelConfig(vocab_size=V, dim=32, n_layers=1, n_heads=2, n_kv_heads=1), 11)
 
 
-@pytest.fixture(scope="module")
-def exact_joint_top_k(model) -> np.ndarray:
+def joint_top_k(model, prompt: list[int]) -> np.ndarray:
     def filtered(context):
         p = exact_next(model, context)
         keep = p >= np.sort(p)[-TOP_K]
         return np.where(keep, p, 0) / p[keep].sum()
 
     joint = np.zeros((V, V, V))
-    p1 = filtered(PROMPT)
+    p1 = filtered(prompt)
     for a in range(V):
-        p2 = filtered([*PROMPT, a])
+        p2 = filtered([*prompt, a])
         for b in range(V):
-            joint[a, b] = p1[a] * p2[b] * filtered([*PROMPT, a, b])
+            joint[a, b] = p1[a] * p2[b] * filtered([*prompt, a, b])
     return joint
+
+
+@pytest.fixture(scope="module")
+def exact_joint_top_k(model) -> np.ndarray:
+    return joint_top_k(model, PROMPT)
 
 
 def sample_joint_with_draft(model, draft, n: int) -> np.ndarray:
@@ -256,3 +262,56 @@ def test_negative_control_dropping_an_unsure_draft_is_caught(
     monkeypatch.setattr(specfast.draft.DraftModelDrafter, "propose", drop_unsure)
     counts = sample_joint_stopping_early(model, draft_model)
     assert chi2_pvalue(counts, exact_joint_top_k) < ALPHA
+
+
+# ----------------------------------------------------------------------------
+# a draft that may propose only part of the vocabulary (DraftVocabulary)
+
+# Token 0 is "common"; the prompt adds 2; 1 and 3 join once the target emits them. So the draft's
+# rows change mid-sequence, and q must carry zeros for the tokens it cannot propose.
+GAPPY_PROMPT = [0, 2, 0, 2, 0]
+
+
+def sample_joint_with_part_vocabulary(model, draft):
+    return sample_joint(
+        model,
+        N,
+        lambda: draft,
+        max_new_tokens=5,
+        prompt=GAPPY_PROMPT,
+        top_k=TOP_K,
+        num_speculative_tokens=2,
+        draft_vocabulary=1,
+    )
+
+
+def test_joint_with_a_draft_of_part_of_the_vocabulary_is_exact(model, draft_model, monkeypatch):
+    import specfast.draft
+
+    rows = []
+    real_expand = specfast.draft.DraftVocabulary.expand
+
+    def expand(self, q):
+        rows.append(len(self))
+        return real_expand(self, q)
+
+    monkeypatch.setattr(specfast.draft.DraftVocabulary, "expand", expand)
+    counts = sample_joint_with_part_vocabulary(model, draft_model)
+    assert min(rows) == 2 and max(rows) == V  # the subset was partial, then grew
+    assert chi2_pvalue(counts, joint_top_k(model, GAPPY_PROMPT)) > ALPHA
+
+
+def test_negative_control_q_on_the_wrong_rows_is_caught(model, draft_model, monkeypatch):
+    import specfast.draft
+
+    def first_rows(self, q):
+        # The bug: q's columns taken for tokens 0..S-1, as if the subset were the lowest ids.
+        full = q.new_zeros(q.shape[0], self.model.vocab_size)
+        full[:, : q.shape[1]] = q
+        return full
+
+    monkeypatch.setattr(specfast.draft.DraftVocabulary, "expand", first_rows)
+    # A draft of token 2 then has q = 0 there: the acceptance core refuses it rather than
+    # letting a wrong distribution through.
+    with pytest.raises(ValueError, match="draft probability 0"):
+        sample_joint_with_part_vocabulary(model, draft_model)

@@ -138,6 +138,21 @@ def test_int8_weights_stay_close_and_are_used(tiny_model, ids, dtype):
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@pytest.mark.parametrize("mode", ["packed", "plain", "int8"])
+def test_output_rows_are_those_columns_of_the_logits(tiny_model, ids, mode):
+    model = Model.from_config(tiny_model.config, seed=0)
+    model.prepack = mode != "plain"
+    if mode == "int8":
+        model.quantize_int8()
+    full = model.decoder(64).forward(ids)  # (T, V)
+    rows = torch.tensor([0, 1, 2, 7, 299, 42])
+    head = model.output_rows(rows)
+    assert (head.packed is None) == (mode == "plain")
+    part = model.decoder(64).forward(ids, head=head)  # (T, 6)
+    torch.testing.assert_close(part, full[:, rows], atol=1e-5, rtol=1e-5)
+    assert model.output_rows(torch.arange(5)) is model.output_rows(torch.arange(5))  # kept
+
+
 def test_int8_is_refused_off_cpu(tiny_model):
     model = Model.from_config(tiny_model.config, seed=0).to("meta")
     with pytest.raises(ValueError, match="CPU only"):

@@ -9,6 +9,9 @@ When sampling, each draft token is drawn from q = logits_to_probs(draft logits, 
 temperature/top-k/top-p/min-p as the target), and that very tensor is what `draft_probs` hands
 to the acceptance rule, so the q in the ratio is the q sampled from by construction.
 
+A draft model with a large vocabulary proposes only from a subset of it (`DraftVocabulary`):
+its output projection is a fifth of a 0.5B model's weights, and most of it is rare tokens.
+
 With `keep_going` set (generate()'s "auto" k does this), the drafter records the probability it
 gave each draft token and stops early when `keep_going(confidences)` says another step will not
 pay. Stopping on the draft's own probabilities keeps sampling exact: whether position i + 1 gets
@@ -21,8 +24,13 @@ from collections.abc import Callable
 
 import torch
 
+from specfast.model import Model
 from specfast.runtime import make_decoder, model_facts, tokenizer_vocab
 from specfast.sampling import logits_to_probs
+
+# A draft model whose vocabulary is larger than twice this proposes from its this-many lowest
+# token ids plus every token of the sequence (see DraftVocabulary); "auto" in generate().
+COMMON_TOKENS = 32768
 
 
 class DraftModelDrafter:
@@ -37,11 +45,18 @@ class DraftModelDrafter:
         top_p: float = 1.0,
         min_p: float = 0.0,
         seed: int = 0,
+        vocabulary: int | str | None = "auto",
+        eos_ids: list[int] = (),
     ):
         check_same_vocabulary(target, model)
-        _, _, self.device = model_facts(model)
+        vocab_size, _, self.device = model_facts(model)
         self.model = model
         self.decoder = make_decoder(model, max_length)
+        common = common_tokens(vocabulary, vocab_size)
+        # The draft's output rows: all of them, or the common tokens plus those seen.
+        self.vocab = None
+        if common is not None and isinstance(model, Model):
+            self.vocab = DraftVocabulary(model, common, always=eos_ids)
         self.greedy = temperature == 0
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -54,7 +69,10 @@ class DraftModelDrafter:
         self.confidences: list[float] = []  # the draft's probability of each draft token
 
     def extend(self, tokens) -> None:
-        self.committed.extend(int(t) for t in tokens)
+        tokens = [int(t) for t in tokens]
+        self.committed.extend(tokens)
+        if self.vocab is not None:
+            self.vocab.add(tokens)
 
     def reset(self) -> None:
         self.committed.clear()
@@ -89,31 +107,97 @@ class DraftModelDrafter:
         keep = self._rollback_point()
         feed = torch.tensor(self.committed[keep:], dtype=torch.long, device=self.device)
         drafts, qs, confidences = [], [], []
+        vocab = self.vocab
+        head = {"head": vocab.head} if vocab is not None else {}  # transformers drafts: none
         for _ in range(k):
-            logits = self.decoder.forward(feed, last_only=True)  # (1, V)
-            nxt, q = self._step(logits)
+            logits = self.decoder.forward(feed, last_only=True, **head)  # (1, S)
+            row, q = self._step(logits)  # a row of the logits, and q (1, S) when sampling
+            nxt = vocab.ids[row] if vocab is not None else row  # (1,) token id
             drafts.append(nxt)
             if q is not None:
                 qs.append(q)
             feed = nxt
             if self.keep_going is not None:
                 # A host sync per step, small next to the step's forward.
-                confidences.append(_probability(logits, q, nxt))
+                confidences.append(_probability(logits, q, row))
                 if not self.keep_going(confidences):
                     break
         tokens = torch.cat(drafts).tolist()  # without keep_going, the proposal's one host sync
         self._known = len(self.committed)
         self._cached_drafts = tokens[:-1]
-        self.draft_probs = torch.cat(qs) if qs else None
+        self.draft_probs = None
+        if qs:
+            q = torch.cat(qs)  # (k, S): the distributions the drafts were drawn from
+            self.draft_probs = vocab.expand(q) if vocab is not None else q  # (k, V)
         self.confidences = confidences
         return tokens
 
     def _step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft token (1,) from logits (1, V), and the q (1, V) it was drawn from."""
+        """The row (1,) drawn from logits (1, S), and the q (1, S) it was drawn from."""
         if self.greedy:
             return logits.argmax(dim=-1), None  # stays on the device: no sync per step
-        q = logits_to_probs(logits, **self.sampling)  # (1, V)
+        q = logits_to_probs(logits, **self.sampling)  # (1, S)
         return torch.multinomial(q, 1, generator=self.generator)[0], q
+
+
+class DraftVocabulary:
+    """The tokens a draft model may propose: the `common` lowest ids, every token the sequence
+    has held (prompt and output), and `always` (the EOS ids). Its forward then projects onto
+    those rows only.
+
+    Byte-level BPE numbers tokens in merge order, most frequent first: Qwen2's lowest 32k of
+    152k ids cover 94% of the tokens of stdlib code, and the sequence's own tokens cover most of
+    the rest of what gets copied. On the 0.5B Qwen this cuts a draft step from ~50 to ~41 ms.
+
+    Exactness does not depend on the choice: the other tokens get probability 0 in the q the
+    drafts are drawn from, and `expand` hands that q, zeros included, to the acceptance rule.
+    """
+
+    def __init__(self, model: Model, common: int, always=()):
+        self.model = model
+        self.common = common
+        self._common_rows = model.output_rows(torch.arange(common))
+        self._extra: list[int] = []  # tokens >= common, in order of arrival
+        self._extra_set: set[int] = set()
+        self._extra_rows = None
+        self.ids = self._common_rows.ids  # (S,) the token of each logit row
+        self.add(always)
+
+    def add(self, tokens) -> None:
+        """Lets the draft propose these tokens from now on."""
+        new = [t for t in dict.fromkeys(tokens) if t >= self.common and t not in self._extra_set]
+        if not new:
+            return
+        self._extra.extend(new)
+        self._extra_set.update(new)
+        self._extra_rows = self.model.output_rows(torch.tensor(self._extra))
+        self.ids = torch.cat([self._common_rows.ids, self._extra_rows.ids])
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """hidden (T, D) -> logits (T, S) over these tokens."""
+        y = self._common_rows(x)
+        return y if self._extra_rows is None else torch.cat([y, self._extra_rows(x)], dim=-1)
+
+    def expand(self, q: torch.Tensor) -> torch.Tensor:
+        """(k, S) probabilities over these tokens -> (k, V) over the vocabulary, 0 elsewhere."""
+        full = q.new_zeros(q.shape[0], self.model.vocab_size)
+        return full.index_copy_(1, self.ids, q)
+
+
+def common_tokens(vocabulary, vocab_size: int) -> int | None:
+    """How many lowest ids a draft always may propose, or None for the whole vocabulary."""
+    if vocabulary == "auto":
+        return COMMON_TOKENS if vocab_size > 2 * COMMON_TOKENS else None
+    if vocabulary is None:
+        return None
+    if isinstance(vocabulary, bool) or not isinstance(vocabulary, int) or vocabulary < 1:
+        raise ValueError(
+            f'draft_vocabulary must be "auto", None (all tokens) or an int >= 1, got {vocabulary!r}'
+        )
+    return vocabulary if vocabulary < vocab_size else None
 
 
 def _probability(logits: torch.Tensor, q: torch.Tensor | None, token: torch.Tensor) -> float:

@@ -170,6 +170,7 @@ def generate(
     num_speculative_tokens: int | str = "auto",
     tokenizer: Any = None,
     ignore_eos: bool = False,
+    draft_vocabulary: int | str | None = "auto",
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens; greedy output is what the model alone gives.
 
@@ -177,8 +178,10 @@ def generate(
     None (plain decoding in the same loop), an NgramDrafter, or a draft model sharing the
     target's vocabulary. `streamer` is a transformers-style streamer (`put`/`end`) or a callable
     that receives text as tokens are committed. `ignore_eos` keeps going past EOS (benchmarks).
+    `draft_vocabulary` (a specfast draft model only): the draft proposes from its N lowest token
+    ids plus the sequence's own tokens; "auto" = 32768 for vocabularies over 65536, None = all.
     """
-    from specfast.draft import CombinedDrafter, DraftModelDrafter
+    from specfast.draft import CombinedDrafter, DraftModelDrafter, common_tokens
     from specfast.runtime import is_model, make_decoder, model_facts
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
@@ -202,6 +205,7 @@ def generate(
 
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     vocab_size, max_context, device = model_facts(model)
+    common_tokens(draft_vocabulary, vocab_size)  # checked even when no draft model uses it
     prompt_ids = _prompt_ids(prompt, tokenizer, vocab_size, device)
     if len(prompt_ids) + max_new_tokens > max_context:
         raise ValueError(
@@ -228,6 +232,8 @@ def generate(
             target=model,
             max_length=len(prompt_ids) + max_new_tokens,
             seed=seed,
+            vocabulary=draft_vocabulary,
+            eos_ids=sorted(eos_ids),
             **params,
         )
         if isinstance(drafter, CombinedDrafter):

@@ -171,6 +171,7 @@ class Model(nn.Module):
         self.chat_template: str | None = None
         self._rope_cache: dict = {}
         self._packed: list | None = None  # oneDNN-prepacked CPU weights, built on first use
+        self._rows_cache: dict[int, OutputRows] = {}  # output_rows(arange(n)) by n
         self.prepack = True
         self.int8 = False  # see quantize_int8
 
@@ -226,6 +227,7 @@ class Model(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         self._rope_cache = {}  # moved or cast: rebuild the tables lazily
         self._packed = None
+        self._rows_cache = {}
         return super()._apply(fn, *args, **kwargs)
 
     # -- CPU weight prepacking
@@ -241,30 +243,45 @@ class Model(nn.Module):
         """
         if self._packed is not None:
             return self._packed or None
-        ok = self.prepack and self.device.type == "cpu" and _HAS_MKLDNN_LINEAR
         packed = []
-        if self.int8 and self.device.type == "cpu":
-            for layer in self.layers:
-                ws = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-                packed.append([_int8_rows(m.weight) for m in ws])
-            packed.append(
-                _int8_rows(self.embed.weight if self.lm_head is None else self.lm_head.weight)
-            )
-        elif ok:
-            reorder = torch.ops.mkldnn._reorder_linear_weight
-            try:  # blocked for 16 rows: as fast as unpacked for 1 row, 1.5-2x faster for 4-16
+        if self.device.type == "cpu" and (self.int8 or (self.prepack and _HAS_MKLDNN_LINEAR)):
+            try:
                 for layer in self.layers:
                     ws = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-                    packed.append([reorder(m.weight.detach(), 16) for m in ws])
-                w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-                packed.append(reorder(w.detach(), 16))
+                    packed.append([self._pack(m.weight) for m in ws])
+                packed.append(self._pack(self.output_weight))
             except RuntimeError:  # a oneDNN build that cannot pack this dtype: plain F.linear
                 packed = []
         self._packed = packed
         return packed or None
 
+    def _pack(self, w: torch.Tensor):
+        """One matrix as packed_weights() holds it: int8 (weight, scales), or oneDNN-blocked for
+        16 rows (as fast as unpacked for 1 row, 1.5-2x faster for 4-16)."""
+        if self.int8:
+            return _int8_rows(w)
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(V, D): the vocabulary projection (the embedding when they are tied)."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def output_rows(self, ids: torch.Tensor) -> OutputRows:
+        """The vocabulary projection for the tokens `ids` only, packed as the model's own is.
+        Results for `torch.arange(n)` are kept (a draft model's common tokens)."""
+        n = ids.shape[0]
+        common = n > 0 and int(ids[0]) == 0 and int(ids[-1]) == n - 1
+        if common and n in self._rows_cache:
+            return self._rows_cache[n]
+        rows = OutputRows(self, ids)
+        if common:
+            self._rows_cache[n] = rows
+        return rows
+
     def unpack(self) -> None:
         self._packed = None
+        self._rows_cache = {}
 
     def quantize_int8(self) -> Model:
         """Runs every matrix but the embedding lookup with int8 weights (one scale per output
@@ -279,17 +296,22 @@ class Model(nn.Module):
         if self.device.type != "cpu":
             raise ValueError(f"quantize_int8 runs on CPU only; the model is on {self.device}")
         self.int8 = True
-        self._packed = None
+        self.unpack()
         return self
 
     # -- forward
 
     def forward(
-        self, ids: torch.Tensor, cache: KVCache, pos: int, last_only: bool = False
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        pos: int,
+        last_only: bool = False,
+        head: OutputRows | None = None,
     ) -> torch.Tensor:
         """ids (T,) at positions [pos, pos+T), cache holding [0, pos) -> logits (T, V), model dtype
         ((1, V) with last_only: a prefill needs only the last row, and the vocabulary projection
-        is a fifth of a small model's work per token).
+        is a fifth of a small model's work per token). With `head`, logits (T, S) for its tokens.
 
         Writes the T new keys/values into the cache; does not move its length.
         """
@@ -328,8 +350,22 @@ class Model(nn.Module):
         if last_only:
             x = x[-1:]
         x = F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return _linear(x, w, packed[-1] if packed else None)  # (T, V)
+        if head is not None:
+            return head(x)  # (T, S)
+        return _linear(x, self.output_weight, packed[-1] if packed else None)  # (T, V)
+
+
+class OutputRows:
+    """A model's vocabulary projection restricted to the tokens `ids`: hidden (T, D) -> logits
+    (T, len(ids)), row i for token ids[i]. A copy of those rows, packed like the model's."""
+
+    def __init__(self, model: Model, ids: torch.Tensor):
+        self.ids = ids.to(model.device)
+        self.weight = model.output_weight[self.ids].contiguous()  # (S, D)
+        self.packed = model._pack(self.weight) if model.packed_weights() else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.weight, self.packed)
 
 
 # -----------------------------------------------------------------------------
@@ -385,14 +421,16 @@ class Decoder:
     def length(self) -> int:
         return self.cache.length
 
-    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, last_only: bool = False, head: OutputRows | None = None
+    ) -> torch.Tensor:
         """ids (T,) LongTensor on the model's device -> float32 logits (T, V), or (1, V) for the
-        last position only; appends T tokens."""
+        last position only, or over `head`'s tokens only; appends T tokens."""
         m = self.model
         check_ids(ids, m.device, m.vocab_size, self.cache.length, self.max_length)
         T, pos = ids.shape[0], self.cache.length
         with torch.inference_mode():
-            logits = m(ids.long(), self.cache, pos, last_only)
+            logits = m(ids.long(), self.cache, pos, last_only, head)
         self.cache.length = pos + T
         return logits.float()
 
