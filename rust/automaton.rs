@@ -75,6 +75,15 @@ const NO_STATE: State = State {
     head: NONE,
 };
 
+/// A root transition: on `tok` to `to`; `to == NONE` marks an empty slot.
+#[derive(Debug, Clone, Copy)]
+struct RootEdge {
+    tok: u32,
+    to: u32,
+}
+
+const NO_ROOT_EDGE: RootEdge = RootEdge { tok: 0, to: NONE };
+
 const EMPTY: Edge = Edge {
     src: NONE,
     tok: 0,
@@ -87,8 +96,15 @@ pub struct Automaton {
     st: Vec<State>,
     recent: Vec<u32>,
     count: Vec<u32>,
-    /// Every transition but the states' first ones; a power of two long, at most 3/4 full.
+    /// Every transition but the states' first ones and the root's; a power of two long, at most
+    /// 3/4 full.
     table: Vec<Edge>,
+    /// The root's transitions, one per distinct token indexed, apart from the big table: nearly
+    /// every token's walk ends at the root or passes it, and 8-byte slots in a table of their own
+    /// (240 KiB for 30k distinct tokens) stay in cache where the big table's would not.
+    /// A power of two long, at most 3/4 full.
+    root: Vec<RootEdge>,
+    root_edges: usize,
     /// Occupied slots of `table`.
     table_edges: usize,
     /// Transitions, inline and in the table.
@@ -142,6 +158,8 @@ impl Automaton {
             recent: Vec::new(),
             count: Vec::new(),
             table: vec![EMPTY; 16],
+            root: vec![NO_ROOT_EDGE; 16],
+            root_edges: 0,
             table_edges: 0,
             n_edges: 0,
             tracking,
@@ -170,6 +188,7 @@ impl Automaton {
     pub fn memory_bytes(&self) -> usize {
         std::mem::size_of::<State>() * self.st.capacity()
             + std::mem::size_of::<Edge>() * self.table.capacity()
+            + std::mem::size_of::<RootEdge>() * self.root.capacity()
             + 4 * (self.recent.capacity() + self.count.capacity())
     }
 
@@ -230,10 +249,12 @@ impl Automaton {
 
     /// Out-edges of `state` as `(token, target)`.
     pub fn out_edges(&self, state: u32) -> impl Iterator<Item = (u32, u32)> + '_ {
+        let root: &[RootEdge] = if state == ROOT { &self.root } else { &[] };
+        let root = root.iter().filter(|e| e.to != NONE).map(|e| (e.tok, e.to));
         let s = self.st[state as usize];
         let first = (s.to0 != NONE).then_some((s.tok0, s.to0));
         let mut e = s.head;
-        first.into_iter().chain(std::iter::from_fn(move || {
+        root.chain(first).chain(std::iter::from_fn(move || {
             if e == NONE {
                 return None;
             }
@@ -267,7 +288,9 @@ impl Automaton {
     /// are known before either arrives, so the two misses overlap.
     #[inline]
     fn prefetch_visit(&self, state: u32, tok: u32) {
-        if let Some(s) = self.st.get(state as usize) {
+        if state == ROOT {
+            prefetch(&self.root[self.root_slot(tok)]);
+        } else if let Some(s) = self.st.get(state as usize) {
             prefetch(s);
             prefetch(&self.table[self.home_slot(state, tok)]);
         }
@@ -278,9 +301,42 @@ impl Automaton {
         (hash(src, tok) >> 20) as usize & (self.table.len() - 1)
     }
 
+    /// The slot holding the root's transition on `tok`, or the empty slot where it would go.
+    #[inline]
+    fn root_slot(&self, tok: u32) -> usize {
+        let mask = self.root.len() - 1;
+        let mut i = (hash(ROOT, tok) >> 20) as usize & mask;
+        loop {
+            let e = &self.root[i];
+            if e.to == NONE || e.tok == tok {
+                return i;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Puts the root's transition on `tok`, which it does not have yet.
+    fn add_root_edge(&mut self, tok: u32, to: u32) {
+        self.root_edges += 1;
+        if self.root_edges * 4 > self.root.len() * 3 {
+            let grown = vec![NO_ROOT_EDGE; self.root.len() * 2];
+            let old = std::mem::replace(&mut self.root, grown);
+            for e in old.into_iter().filter(|e| e.to != NONE) {
+                let i = self.root_slot(e.tok);
+                self.root[i] = e;
+            }
+        }
+        let i = self.root_slot(tok);
+        self.root[i] = RootEdge { tok, to };
+    }
+
     /// The target of `state`'s transition on `tok`.
     #[inline]
     pub fn next(&self, state: u32, tok: u32) -> Option<u32> {
+        if state == ROOT {
+            let e = &self.root[self.root_slot(tok)];
+            return (e.to != NONE).then_some(e.to);
+        }
         let s = &self.st[state as usize];
         if s.to0 == NONE {
             return None;
@@ -332,6 +388,10 @@ impl Automaton {
 
     fn add_edge(&mut self, src: u32, tok: u32, to: u32) {
         self.n_edges += 1;
+        if src == ROOT {
+            self.add_root_edge(tok, to);
+            return;
+        }
         let s = &mut self.st[src as usize];
         if s.to0 == NONE {
             s.tok0 = tok;
@@ -344,6 +404,15 @@ impl Automaton {
 
     /// Points `state`'s transition on `tok` at `to` if it leads to `from`; says whether it did.
     fn redirect(&mut self, state: u32, tok: u32, from: u32, to: u32) -> bool {
+        if state == ROOT {
+            let i = self.root_slot(tok);
+            let e = &mut self.root[i];
+            let hit = e.to == from;
+            if hit {
+                e.to = to;
+            }
+            return hit;
+        }
         let s = &mut self.st[state as usize];
         if s.to0 != NONE && s.tok0 == tok {
             let hit = s.to0 == from;
