@@ -21,6 +21,8 @@
 //! has at most 2n states and 3n transitions; on text it has about 1.3n states and 2.1n
 //! transitions, 0.9n of them in the table.
 
+use crate::bigvec::BigVec;
+
 const NONE: u32 = u32::MAX;
 
 /// Positions, states and table slots are `u32`; this bound keeps the at most `2n` states and `3n`
@@ -93,12 +95,12 @@ const EMPTY: Edge = Edge {
 
 #[derive(Debug, Clone)]
 pub struct Automaton {
-    st: Vec<State>,
+    st: BigVec<State>,
     recent: Vec<u32>,
     count: Vec<u32>,
     /// Every transition but the states' first ones and the root's; a power of two long, at most
     /// 3/4 full.
-    table: Vec<Edge>,
+    table: BigVec<Edge>,
     /// The root's transitions, one per distinct token indexed, apart from the big table: nearly
     /// every token's walk ends at the root or passes it, and 8-byte slots in a table of their own
     /// (240 KiB for 30k distinct tokens) stay in cache where the big table's would not.
@@ -154,10 +156,10 @@ pub(crate) fn reserve_touched<T: Copy>(v: &mut Vec<T>, extra: usize, fill: T) {
 impl Automaton {
     pub fn new(tracking: Tracking) -> Self {
         let mut a = Automaton {
-            st: Vec::new(),
+            st: BigVec::new(),
             recent: Vec::new(),
             count: Vec::new(),
-            table: vec![EMPTY; 16],
+            table: BigVec::from_elem(EMPTY, 16),
             root: vec![NO_ROOT_EDGE; 16],
             root_edges: 0,
             table_edges: 0,
@@ -197,7 +199,7 @@ impl Automaton {
     pub fn reserve(&mut self, tokens: usize) {
         // On text, about 1.3 states and 0.9 table transitions per token.
         let s = tokens + tokens / 2;
-        reserve_touched(&mut self.st, s, NO_STATE);
+        self.st.reserve_touched(s, NO_STATE);
         if self.tracking.recent {
             reserve_touched(&mut self.recent, s, NONE);
         }
@@ -288,8 +290,11 @@ impl Automaton {
     /// are known before either arrives, so the two misses overlap.
     #[inline]
     fn prefetch_visit(&self, state: u32, tok: u32) {
+        if state == NONE {
+            return;
+        }
         if state == ROOT {
-            prefetch(&self.root[self.root_slot(tok)]);
+            prefetch(&self.root[self.root_home(tok)]);
         } else if let Some(s) = self.st.get(state as usize) {
             prefetch(s);
             prefetch(&self.table[self.home_slot(state, tok)]);
@@ -305,7 +310,7 @@ impl Automaton {
     #[inline]
     fn root_slot(&self, tok: u32) -> usize {
         let mask = self.root.len() - 1;
-        let mut i = (hash(ROOT, tok) >> 20) as usize & mask;
+        let mut i = self.root_home(tok);
         loop {
             let e = &self.root[i];
             if e.to == NONE || e.tok == tok {
@@ -313,6 +318,11 @@ impl Automaton {
             }
             i = (i + 1) & mask;
         }
+    }
+
+    #[inline]
+    fn root_home(&self, tok: u32) -> usize {
+        (hash(ROOT, tok) >> 20) as usize & (self.root.len() - 1)
     }
 
     /// Puts the root's transition on `tok`, which it does not have yet.
@@ -360,12 +370,12 @@ impl Automaton {
         if cap == self.table.len() {
             return;
         }
-        let old = std::mem::replace(&mut self.table, vec![EMPTY; cap]);
+        let old = std::mem::replace(&mut self.table, BigVec::from_elem(EMPTY, cap));
         self.table_edges = 0;
-        for s in &mut self.st {
+        for s in self.st.iter_mut() {
             s.head = NONE;
         }
-        for edge in old {
+        for &edge in old.iter() {
             if edge.src != NONE {
                 self.insert(edge.src, edge.tok, edge.to);
             }

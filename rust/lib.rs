@@ -1,6 +1,7 @@
 //! specfast's core: plain Rust with no Python in it.
 //!
 //! - [`automaton`]: an online suffix automaton over token ids.
+//! - [`bigvec`]: the growable array it keeps its states and transitions in (2 MiB pages).
 //! - [`drafter`]: the n-gram drafter built on it (match policies, evidence-capped k, corpus).
 //! - [`accept`]: greedy verification and residual rejection sampling.
 //! - [`error`]: the error type, turned into Python exceptions only at the boundary.
@@ -9,6 +10,7 @@
 
 pub mod accept;
 pub mod automaton;
+pub mod bigvec;
 pub mod drafter;
 pub mod error;
 
