@@ -387,3 +387,17 @@ def test_generate_with_an_int8_draft(tiny_model_dir, capsys):
 def test_int8_without_a_draft_model_is_refused(capsys):
     rc, _, err = run_main(["generate", "--prompt", "hi", "--draft-int8"], capsys)
     assert rc != 0 and "--draft-int8 needs a draft model" in err
+
+
+@needs_runtime
+@pytest.mark.parametrize("vocabulary", ["8", "all", "auto"])
+def test_generate_with_a_draft_vocabulary(tiny_model_dir, capsys, vocabulary):
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc"]
+    argv += ["--drafter", str(tiny_model_dir), "--draft-vocabulary", vocabulary]
+    rc, _, err = run_main([*argv, "--max-new-tokens", "8"], capsys)
+    assert rc == 0, err
+
+
+def test_a_bad_draft_vocabulary_is_refused(capsys):
+    rc, _, err = run_main(["generate", "--prompt", "hi", "--draft-vocabulary", "some"], capsys)
+    assert rc != 0 and "'auto' or 'all'" in err

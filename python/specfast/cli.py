@@ -89,6 +89,17 @@ def _k(s: str) -> int | str:
         ) from None
 
 
+def _draft_vocabulary(s: str) -> int | str | None:
+    if s == "all":
+        return None
+    try:
+        return _k(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, 'auto' or 'all', got {s!r}"
+        ) from None
+
+
 def _choices_list(allowed: Sequence[str], what: str):
     def parse(s: str) -> list[str]:
         items = [x.strip() for x in s.split(",") if x.strip()]
@@ -143,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-int8",
         action="store_true",
         help="run the draft model with int8 weights (CPU; faster drafts, same output)",
+    )
+    g.add_argument(
+        "--draft-vocabulary",
+        type=_draft_vocabulary,
+        default="auto",
+        metavar="N|auto|all",
+        help="a draft model proposes from its N lowest token ids plus the sequence's tokens "
+        "(auto: 32768 for vocabularies over 65536; same output either way)",
     )
     g.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -315,6 +334,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         drafter=drafter,
         num_speculative_tokens=args.k,
         streamer=streamer,
+        draft_vocabulary=args.draft_vocabulary,
     )
     print("\n" + format_stats(out.stats), file=sys.stderr)
     return 0
