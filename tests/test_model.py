@@ -150,7 +150,9 @@ def test_output_rows_are_those_columns_of_the_logits(tiny_model, ids, mode):
     assert (head.packed is None) == (mode == "plain")
     part = model.decoder(64).forward(ids, head=head)  # (T, 6)
     torch.testing.assert_close(part, full[:, rows], atol=1e-5, rtol=1e-5)
-    assert model.output_rows(torch.arange(5)) is model.output_rows(torch.arange(5))  # kept
+    assert model.first_rows(5) is model.first_rows(5)  # kept
+    model.output_rows(torch.tensor([0, 7, 4]))  # not mistaken for the first 3 rows
+    torch.testing.assert_close(model.first_rows(3).weight, model.output_weight[:3])
 
 
 def test_int8_is_refused_off_cpu(tiny_model):

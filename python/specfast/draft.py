@@ -20,7 +20,7 @@ a draft depends only on the draft side, never on the target's verdict.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ class DraftModelDrafter:
         min_p: float = 0.0,
         seed: int = 0,
         vocabulary: int | str | None = "auto",
-        eos_ids: list[int] = (),
+        eos_ids: Sequence[int] = (),
     ):
         check_same_vocabulary(target, model)
         vocab_size, _, self.device = model_facts(model)
@@ -147,7 +147,8 @@ class DraftVocabulary:
 
     Byte-level BPE numbers tokens in merge order, most frequent first: Qwen2's lowest 32k of
     152k ids cover 94% of the tokens of stdlib code, and the sequence's own tokens cover most of
-    the rest of what gets copied. On the 0.5B Qwen this cuts a draft step from ~50 to ~41 ms.
+    the rest of what gets copied. On the 0.5B Qwen a step reads 59 MB of output rows instead of
+    272 MB and costs 17% less.
 
     Exactness does not depend on the choice: the other tokens get probability 0 in the q the
     drafts are drawn from, and `expand` hands that q, zeros included, to the acceptance rule.
@@ -156,7 +157,7 @@ class DraftVocabulary:
     def __init__(self, model: Model, common: int, always=()):
         self.model = model
         self.common = common
-        self._common_rows = model.output_rows(torch.arange(common))
+        self._common_rows = model.first_rows(common)
         self._extra: list[int] = []  # tokens >= common, in order of arrival
         self._extra_set: set[int] = set()
         self._extra_rows = None

@@ -171,7 +171,7 @@ class Model(nn.Module):
         self.chat_template: str | None = None
         self._rope_cache: dict = {}
         self._packed: list | None = None  # oneDNN-prepacked CPU weights, built on first use
-        self._rows_cache: dict[int, OutputRows] = {}  # output_rows(arange(n)) by n
+        self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
         self.prepack = True
         self.int8 = False  # see quantize_int8
 
@@ -268,16 +268,14 @@ class Model(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def output_rows(self, ids: torch.Tensor) -> OutputRows:
-        """The vocabulary projection for the tokens `ids` only, packed as the model's own is.
-        Results for `torch.arange(n)` are kept (a draft model's common tokens)."""
-        n = ids.shape[0]
-        common = n > 0 and int(ids[0]) == 0 and int(ids[-1]) == n - 1
-        if common and n in self._rows_cache:
-            return self._rows_cache[n]
-        rows = OutputRows(self, ids)
-        if common:
-            self._rows_cache[n] = rows
-        return rows
+        """The vocabulary projection for the tokens `ids` only, packed as the model's own is."""
+        return OutputRows(self, ids)
+
+    def first_rows(self, n: int) -> OutputRows:
+        """output_rows(arange(n)), built once per model (a draft model's common tokens)."""
+        if n not in self._rows_cache:
+            self._rows_cache[n] = OutputRows(self, torch.arange(n))
+        return self._rows_cache[n]
 
     def unpack(self) -> None:
         self._packed = None
