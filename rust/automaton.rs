@@ -13,7 +13,10 @@
 //! - other transitions: one open-addressing hash table keyed by `(state, token)` whose slots hold
 //!   the whole edge, `src`, `tok`, `to` and `next` (16 bytes), so a lookup reads one slot. `next`
 //!   threads each state's table edges into a list, which cloning and the "frequent" policy walk;
-//!   growing the table rebuilds the lists.
+//!   growing the table rebuilds the lists;
+//! - the root's transitions (one per distinct token): a small table of their own keyed by token
+//!   (8 bytes a slot), which stays in cache;
+//! - states and the big table live in [`BigVec`]s, on 2 MiB pages once they are that large.
 //!
 //! On text about 85% of states have a single transition: adding it, or looking up a transition of
 //! such a state, reads nothing but the state record, which the walk along suffix links reads
@@ -195,7 +198,7 @@ impl Automaton {
     }
 
     /// Makes room for `tokens` more tokens, with some to spare, and touches it (see
-    /// [`reserve_touched`]).
+    /// [`BigVec::reserve_touched`]).
     pub fn reserve(&mut self, tokens: usize) {
         // On text, about 1.3 states and 0.9 table transitions per token.
         let s = tokens + tokens / 2;

@@ -7,6 +7,7 @@ set of weights can serve several independent sequences (the target can be its ow
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -305,11 +306,12 @@ class Model(nn.Module):
         cache: KVCache,
         pos: int,
         last_only: bool = False,
-        head: OutputRows | None = None,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """ids (T,) at positions [pos, pos+T), cache holding [0, pos) -> logits (T, V), model dtype
         ((1, V) with last_only: a prefill needs only the last row, and the vocabulary projection
-        is a fifth of a small model's work per token). With `head`, logits (T, S) for its tokens.
+        is a fifth of a small model's work per token). `head` (e.g. an OutputRows) replaces the
+        vocabulary projection: hidden (T, D) -> logits (T, S).
 
         Writes the T new keys/values into the cache; does not move its length.
         """
@@ -420,7 +422,10 @@ class Decoder:
         return self.cache.length
 
     def forward(
-        self, ids: torch.Tensor, last_only: bool = False, head: OutputRows | None = None
+        self,
+        ids: torch.Tensor,
+        last_only: bool = False,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """ids (T,) LongTensor on the model's device -> float32 logits (T, V), or (1, V) for the
         last position only, or over `head`'s tokens only; appends T tokens."""
