@@ -99,8 +99,8 @@ const EMPTY: Edge = Edge {
 #[derive(Debug, Clone)]
 pub struct Automaton {
     st: BigVec<State>,
-    recent: Vec<u32>,
-    count: Vec<u32>,
+    recent: BigVec<u32>,
+    count: BigVec<u32>,
     /// Every transition but the states' first ones and the root's; a power of two long, at most
     /// 3/4 full.
     table: BigVec<Edge>,
@@ -146,22 +146,12 @@ pub(crate) fn prefetch<T>(r: &T) {
     let _ = r;
 }
 
-/// Reserves room for `extra` more items and writes `fill` there. The first write to a page of
-/// memory is a page fault, microseconds in a virtual machine: a bulk call takes them all at once
-/// here, so that the pushes of the small calls after it do not take them one by one.
-pub(crate) fn reserve_touched<T: Copy>(v: &mut Vec<T>, extra: usize, fill: T) {
-    v.reserve(extra);
-    for slot in v.spare_capacity_mut().iter_mut().take(extra) {
-        slot.write(fill);
-    }
-}
-
 impl Automaton {
     pub fn new(tracking: Tracking) -> Self {
         let mut a = Automaton {
             st: BigVec::new(),
-            recent: Vec::new(),
-            count: Vec::new(),
+            recent: BigVec::new(),
+            count: BigVec::new(),
             table: BigVec::from_elem(EMPTY, 16),
             root: vec![NO_ROOT_EDGE; 16],
             root_edges: 0,
@@ -204,10 +194,10 @@ impl Automaton {
         let s = tokens + tokens / 2;
         self.st.reserve_touched(s, NO_STATE);
         if self.tracking.recent {
-            reserve_touched(&mut self.recent, s, NONE);
+            self.recent.reserve_touched(s, NONE);
         }
         if self.tracking.count {
-            reserve_touched(&mut self.count, s, 0);
+            self.count.reserve_touched(s, 0);
         }
         self.reserve_table(tokens);
     }

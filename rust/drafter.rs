@@ -28,7 +28,8 @@
 //! one token cost O(n) each). `propose` is O(1) plus the tokens copied for `Earliest` and
 //! `Recent`; `Frequent` costs O(out-degree) per proposed token.
 
-use crate::automaton::{prefetch, reserve_touched, Automaton, Tracking, MAX_TOKENS, ROOT};
+use crate::automaton::{prefetch, Automaton, Tracking, MAX_TOKENS, ROOT};
+use crate::bigvec::BigVec;
 use crate::error::{Error, Result};
 
 /// The largest `k` that `propose` accepts.
@@ -120,7 +121,7 @@ impl Config {
 #[derive(Debug, Clone)]
 pub struct Drafter {
     config: Config,
-    live: Vec<u32>,
+    live: BigVec<u32>,
     live_sam: Automaton,
     corpus: Vec<u32>,
     /// Start offset of each kept corpus document in `corpus`, in order.
@@ -144,7 +145,7 @@ impl Drafter {
         let tracking = config.policy.tracking();
         Ok(Drafter {
             config,
-            live: Vec::new(),
+            live: BigVec::new(),
             live_sam: Automaton::new(tracking),
             corpus: Vec::new(),
             doc_starts: Vec::new(),
@@ -184,7 +185,7 @@ impl Drafter {
 
     /// Clears the live sequence. The corpus stays.
     pub fn reset(&mut self) {
-        self.live = Vec::new();
+        self.live = BigVec::new();
         self.live_sam = Automaton::new(self.config.policy.tracking());
         self.corpus_state = ROOT;
         self.corpus_len = 0;
@@ -202,7 +203,8 @@ impl Drafter {
             // A long extend is usually a prompt, and generation follows: leave room for it, or the
             // first round after the prompt pays for moving the whole sequence. (The automaton's
             // reserve already leaves room.)
-            reserve_touched(&mut self.live, tokens.len() + tokens.len() / 4, 0);
+            self.live
+                .reserve_touched(tokens.len() + tokens.len() / 4, 0);
             self.live_sam.reserve(tokens.len());
         }
         for &t in tokens {
