@@ -41,6 +41,10 @@ def sharpened_gguf(path, seed: int, vocab_size: int | None = None):
 
 def new_llama(path, **kw):
     kw.setdefault("n_ctx", 256)
+    # One thread: llama.cpp's OpenMP workers spin at barriers, and on a shared 2-core machine a
+    # preempted worker stalls every pass (two threads ran 30x slower than one here).
+    kw.setdefault("n_threads", 1)
+    kw.setdefault("n_threads_batch", 1)
     return llama_cpp.Llama(model_path=str(path), verbose=False, **kw)
 
 
@@ -291,8 +295,9 @@ def sample_joint(llama, n, new_drafter, **kw) -> dict[tuple[int, ...], int]:
 
 
 def pvalue(counts, joint) -> float:
-    outside = set(counts) - set(joint)
-    assert not outside, f"outcomes of probability 0 were emitted: {sorted(outside)[:3]}"
+    """χ² p-value of the counts against the exact joint; 0 if an impossible outcome occurred."""
+    if set(counts) - set(joint):
+        return 0.0  # a token outside the top-k was emitted: certainly not the target's joint
     keys = sorted(joint)
     return chi2_pvalue(
         np.array([counts.get(k, 0) for k in keys]), np.array([joint[k] for k in keys])
@@ -400,8 +405,8 @@ def test_long_prompt_is_fed_in_n_batch_chunks(tmp_path):
 
 
 def test_load_model_with_the_llama_backend(smollm_gguf):
-    llama = specfast.load_model(smollm_gguf, backend="llama.cpp", n_ctx=300)
-    assert llama.n_ctx() == 300
+    llama = specfast.load_model(smollm_gguf, backend="llama.cpp", n_ctx=512)
+    assert llama.n_ctx() == 512
     with pytest.raises(ValueError, match="backend"):
         specfast.load_model(smollm_gguf, backend="vllm")
     with pytest.raises(TypeError, match=r"llama\.cpp"):
