@@ -55,7 +55,9 @@ def load_llamas(
         out["target"] = load(model_path)
     if "llama.cpp-lookup" in wanted:
         lookup = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
-        out["lookup"] = load(model_path, draft_model=lookup)
+        # logits_all=True by hand: with a draft model Llama turns it on for eval but sizes its
+        # score array by the argument (n_batch rows), and prompts past n_batch then overflow it.
+        out["lookup"] = load(model_path, draft_model=lookup, logits_all=True)
     if "specfast-llama-draft" in wanted:
         if draft_path is None:
             raise ValueError("specfast-llama-draft needs a draft model (--draft PATH)")
