@@ -256,3 +256,43 @@ def test_cli_choices_match_the_runtime():
 
     assert cli.DTYPE_CHOICES == DTYPE_CHOICES
     assert cli.COMPILE_CHOICES == steps.COMPILE_CHOICES
+
+
+# ----------------------------------------------------------------------------
+# CUDA (scripts/gpu_check.sh runs these on a lent GPU)
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_step_syncs_nowhere_and_matches_eager():
+    """CUDA graphs (reduce-overhead) over every bucket: no hidden device->host sync inside a
+    step (sync debug mode "error"), and float32 greedy output equal to the eager CUDA run."""
+    torch._dynamo.reset()
+    eager = Model.from_config(CONFIG, seed=1, device="cuda")
+    compiled = Model.from_config(CONFIG, seed=1, device="cuda").compile_steps()
+    prompt = repetitive_prompt(eager)
+    plain = specfast.generate(eager, prompt, max_new_tokens=48, drafter=None, ignore_eos=True)
+    for k in (1, 4, 16, "auto"):
+        out = specfast.generate(
+            compiled, prompt, max_new_tokens=48, num_speculative_tokens=k, ignore_eos=True
+        )
+        assert out.token_ids == plain.token_ids
+    dec = compiled.decoder(len(prompt) + 64)
+    dec.forward(torch.tensor(prompt, device="cuda"), last_only=True)
+    feeds = {b: torch.arange(1, b + 1, device="cuda") for b in steps.BUCKETS}
+    for b in steps.BUCKETS:  # record every graph first
+        for _ in range(3):
+            dec.rollback(len(prompt))
+            dec.forward_greedy(feeds[b])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in steps.BUCKETS:
+            dec.rollback(len(prompt))
+            dec.forward_greedy(feeds[b])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.cuda
+def test_cuda_auto_dtype_is_bf16_or_fp16():
+    assert resolve_dtype("auto", "cuda") in (torch.bfloat16, torch.float16)
