@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(auto: 32768 for vocabularies over 65536; same output either way)",
     )
     g.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
+    g.add_argument(
+        "--corpus",
+        metavar="PATH",
+        help="an n-gram corpus file: drafts from it (if it exists), then adds this prompt and "
+        "output to it and saves it (n-gram drafter only)",
+    )
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
 
@@ -185,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=None, metavar="S")
     c.add_argument("--drafter", choices=("ngram", "none"), default="ngram")
     c.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
+    c.add_argument("--corpus", metavar="PATH", help="an n-gram corpus file, saved after each turn")
     c.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
 
@@ -318,6 +325,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--draft-int8 needs a draft model: --drafter PATH or ngram+PATH")
     if args.draft_int8 and args.device != "cpu":
         raise CLIError("--draft-int8 runs on CPU only")
+    if args.corpus and args.drafter != "ngram":
+        raise CLIError("--corpus needs the n-gram drafter (--drafter ngram)")
     model_path = resolve_model(args.model)
     _check_device(args.device)
     import specfast
@@ -328,8 +337,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = render_chat([{"role": "user", "content": prompt}], model.chat_template)
     ids = list(model.tokenizer.encode(prompt).ids)
 
-    if args.drafter == "ngram":
-        drafter: Any = "ngram"
+    if args.corpus:
+        from specfast.session import corpus_fingerprint
+
+        fingerprint = corpus_fingerprint(model)
+        exists = Path(args.corpus).exists()
+        drafter: Any = (
+            specfast.NgramDrafter.load(args.corpus, fingerprint=fingerprint)
+            if exists
+            else specfast.NgramDrafter()
+        )
+    elif args.drafter == "ngram":
+        drafter = "ngram"
     elif args.drafter == "none":
         drafter = None
     else:
@@ -358,6 +377,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_vocabulary=args.draft_vocabulary,
     )
     print("\n" + format_stats(out.stats), file=sys.stderr)
+    if args.corpus:
+        drafter.add_document(ids + out.token_ids)
+        drafter.save(args.corpus, fingerprint=fingerprint)
+        print(f"corpus: {drafter.corpus_tokens} tokens in {args.corpus}", file=sys.stderr)
     return 0
 
 
@@ -382,6 +405,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         num_speculative_tokens=args.k,
+        corpus=args.corpus,
     )
     return main_chat(session)
 

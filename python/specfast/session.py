@@ -26,15 +26,23 @@ Interrupts. An exception during a turn (from the streamer, or KeyboardInterrupt)
 wholly absent: history, cache and drafter are as they were before send(), and the exception
 propagates.
 
+Corpus. With `corpus=PATH` the n-gram drafter starts from the corpus saved there (if the file
+exists; it must carry this tokenizer's fingerprint, `corpus_fingerprint`), adds each finished
+turn (its prompt and reply tokens) as a document, and saves the file after each turn; the save
+writes a temporary file and renames it, so a crash never damages the previous one. Rewound turns
+stay in the corpus; an interrupted turn never enters it.
+
 `fork()` copies the cache tensors up to the current length (O(length x layers) memory and time)
 and rebuilds the n-gram index from the tokens (O(length)); it supports the n-gram drafter and
-plain decoding.
+plain decoding. A fork drafts from the corpus file but does not write it: two writers would
+overwrite each other's turns.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +110,6 @@ class Session:
             )
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str or None, got {type(system).__name__}")
-        if corpus is not None:
-            raise ValueError("corpus= needs NgramDrafter.save/load, not in this build yet")
         unknown = sorted(set(defaults) - set(PER_TURN_OPTIONS) - set(SESSION_OPTIONS))
         if unknown:
             raise TypeError(
@@ -125,7 +131,10 @@ class Session:
         self.draft_vocabulary = defaults.pop("draft_vocabulary", "auto")
         common_tokens(self.draft_vocabulary, self.vocab_size)
         self.defaults = defaults
-        self._drafter_arg = drafter
+        self.corpus_path = None if corpus is None else os.fspath(corpus)
+        self.fingerprint: str | None = None
+        if corpus is not None:
+            drafter = self._open_corpus(drafter)
         first = check_settings(model, self.tokenizer, **defaults)  # checks the defaults now
         self._drafter = self._make_drafter(drafter, first)
         self._decoder = None  # allocated on the first send
@@ -197,7 +206,21 @@ class Session:
         self._turns.append(
             Turn(_message_copy(message), keep, ids[keep:], list(out.token_ids), out.text)
         )
+        if self.corpus_path is not None:
+            self._drafter.inner.add_document(ids[keep:] + out.token_ids)
+            self._drafter.inner.save(self.corpus_path, fingerprint=self.fingerprint)
         return out
+
+    def _open_corpus(self, drafter):
+        """The NgramDrafter to draft with: loaded from the corpus file if it exists."""
+        from specfast._core import NgramDrafter
+
+        if not (drafter == "ngram" or isinstance(drafter, NgramDrafter)):
+            raise ValueError(f'corpus= needs drafter="ngram" (or an NgramDrafter), got {drafter!r}')
+        self.fingerprint = corpus_fingerprint(self.model, self.tokenizer)
+        if os.path.exists(self.corpus_path):
+            return NgramDrafter.load(self.corpus_path, fingerprint=self.fingerprint)
+        return NgramDrafter() if isinstance(drafter, str) else drafter
 
     def _restore(self, ids: list[int], cached: int) -> None:
         """Undoes an interrupted turn: the cache keeps at most `cached` tokens (what the old
@@ -256,6 +279,7 @@ class Session:
     def fork(self) -> Session:
         """An independent copy of this conversation: the cache tensors are copied up to the
         current length, the n-gram index is rebuilt from the tokens (n-gram or no drafter)."""
+        from specfast._core import NgramDrafter
         from specfast.drafters import IndexDraft, NoDraft
 
         if not isinstance(self._drafter, (IndexDraft, NoDraft)) or (
@@ -269,7 +293,11 @@ class Session:
         new._decoder = None if self._decoder is None else _copy_decoder(self.model, self._decoder)
         if isinstance(self._drafter, IndexDraft):
             old = self._drafter.inner
-            new._drafter = IndexDraft(_same_ngram(old), self.fixed_k)
+            ngram = _same_ngram(old)
+            if self.corpus_path is not None and os.path.exists(self.corpus_path):
+                ngram = NgramDrafter.load(self.corpus_path, fingerprint=self.fingerprint)
+            new.corpus_path = None  # one writer per corpus file
+            new._drafter = IndexDraft(ngram, self.fixed_k)
             new._drafter.auto = copy.deepcopy(self._drafter.auto)
             new._drafter.extend(self._ids)
         return new
@@ -291,6 +319,18 @@ class Session:
 
 # ----------------------------------------------------------------------------
 # helpers
+
+
+def corpus_fingerprint(model, tokenizer=None) -> str:
+    """What a saved corpus must match to be loaded: the tokenizer's vocabulary size and hash
+    (corpus.tokenizer_fingerprint), or the model's vocabulary size when it has no tokenizer."""
+    from specfast.corpus import tokenizer_fingerprint
+    from specfast.runtime import model_facts
+
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if tokenizer is not None and callable(getattr(tokenizer, "get_vocab", None)):
+        return tokenizer_fingerprint(tokenizer)
+    return f"vocab={model_facts(model)[0]};no-tokenizer"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
