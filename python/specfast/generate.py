@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from specfast._core import accept_greedy, accept_sampled
+from specfast.drafters import Verified, check_features, make_drafter
 from specfast.sampling import (
     accept_sampled_torch,
     check_sampling_params,
@@ -251,7 +252,6 @@ def generate(
     A call is a one-turn Session: it prefills the whole prompt into a fresh cache.
     """
     from specfast.draft import common_tokens
-    from specfast.drafters import make_drafter
     from specfast.runtime import is_model, make_decoder, model_facts
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
@@ -315,8 +315,6 @@ def run_turn(
     """Continues `ids` (the whole context) by one reply. The decoder holds `ids[:decoder.length]`
     and the drafter `ids[:indexed]`; the rest is prefilled here, then rounds run to the end.
     Returns with the cache holding every committed token but the last, as a round leaves it."""
-    from specfast.drafters import check_features
-
     check_features(drafter)
     start = time.perf_counter() if start is None else start
     stats = GenerationStats(acceptance_histogram=[0] * ((fixed_k or MAX_SPECULATIVE_TOKENS) + 1))
@@ -351,8 +349,6 @@ def run_turn(
 def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: GenerationStats):
     """One round: propose, verify [last, *draft] in one target pass, accept, roll back the
     rejected rows, commit, tell the drafter. The same for every drafter (drafters.py)."""
-    from specfast.drafters import Verified
-
     budget = emit.max_new_tokens - len(emit.token_ids) - 1  # proposals past this are wasted
     t0 = time.perf_counter()
     proposal = drafter.propose(budget)
