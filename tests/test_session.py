@@ -374,3 +374,19 @@ def test_generate_cli_corpus_grows_and_drafts(tiny_model_dir, tmp_path, capsys):
     assert specfast.NgramDrafter.load(path).corpus_tokens == 2 * n
     out = capsys.readouterr().out  # the same text twice: the corpus changes speed, not output
     assert out and out[: len(out) // 2] == out[len(out) // 2 :]
+
+
+def test_a_transformers_target_session_equals_generate_and_forks():
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model
+
+    hf = make_hf_model("qwen2-bias")
+    s = Session(hf, max_new_tokens=10, ignore_eos=True)
+    msgs = [[5, 9, 17, 5, 9, 17], [5, 9, 30, 31], [17, 5, 9]]
+    s.send(msgs[0])
+    f = s.fork()
+    for session in (s, f):
+        for msg in msgs[1:]:
+            out = session.send(msg)
+            assert out.token_ids == plain(hf, context_of(session, out), 10, ignore_eos=True)
+            assert out.stats.reused_tokens > 0
