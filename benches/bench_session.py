@@ -15,8 +15,9 @@ checked identical):
   indexes the history as its prompt);
 - turn-only: generate() on the full history with a fresh n-gram drafter that sees only this
   turn's message and reply (what a drafter without the conversation would know).
-TTFT is the time to the first new token (prefill_seconds). tokens/pass = tokens per target pass
-over the decode (vLLM's mean acceptance length).
+TTFT is the wall time of a call with max_new_tokens=1 (the session's includes rendering and
+tokenizing the conversation), the median of `--repeats` interleaved runs. tokens/pass = tokens
+per target pass over the decode (vLLM's mean acceptance length).
 
 Corpus: conversation A (the edit workload) is saved to a corpus file; then a new conversation B
 on the same function with its edits in another order starts with and without that corpus, and
@@ -32,8 +33,10 @@ import inspect
 import json
 import os
 import platform
+import statistics
 import tempfile
 import textwrap
+import time
 
 import torch
 
@@ -111,20 +114,39 @@ def row(out) -> dict:
     }
 
 
-def conversation(model, turns: list[str], max_new_tokens: int) -> list[dict]:
+def conversation(model, turns: list[str], max_new_tokens: int, repeats: int) -> list[dict]:
     session = Session(model, max_new_tokens=max_new_tokens)
     rows = []
     for i, msg in enumerate(turns):
+        # TTFT: wall time of a one-token call, session and re-prefill interleaved, median.
+        ttft_s, ttft_g = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            one = session.send(msg, max_new_tokens=1)
+            ttft_s.append(time.perf_counter() - t0)
+            history = session.token_ids[:-1]
+            session.rewind(1)
+            t0 = time.perf_counter()
+            specfast.generate(model, history, max_new_tokens=1)
+            ttft_g.append(time.perf_counter() - t0)
         start = len(session.token_ids)
         out = session.send(msg)
-        history = session.token_ids[: len(session.token_ids) - len(out.token_ids)]
+        assert out.stats.prefill_tokens == one.stats.prefill_tokens
         full = specfast.generate(model, history, max_new_tokens=max_new_tokens)
         own = specfast.generate(
             model, history, max_new_tokens=max_new_tokens, drafter=TurnOnly(start)
         )
         assert out.token_ids == full.token_ids == own.token_ids, "greedy outputs differ"
         rows.append(
-            {"turn": i + 1, "session": row(out), "generate": row(full), "turn_only": row(own)}
+            {
+                "turn": i + 1,
+                "history_tokens": len(history),
+                "ttft_session_s": statistics.median(ttft_s),
+                "ttft_generate_s": statistics.median(ttft_g),
+                "session": row(out),
+                "generate": row(full),
+                "turn_only": row(own),
+            }
         )
         print(format_row(rows[-1]), flush=True)
     return rows
@@ -132,9 +154,10 @@ def conversation(model, turns: list[str], max_new_tokens: int) -> list[dict]:
 
 def format_row(r: dict) -> str:
     s, g, t = r["session"], r["generate"], r["turn_only"]
+    ts, tg = r["ttft_session_s"], r["ttft_generate_s"]
     return (
-        f"| {r['turn']} | {g['prefill_tokens']} | {s['prefill_tokens']} | "
-        f"{g['ttft_s'] * 1e3:.0f} | {s['ttft_s'] * 1e3:.0f} | {s['ttft_s'] / g['ttft_s']:.2f}x | "
+        f"| {r['turn']} | {r['history_tokens']} | {s['prefill_tokens']} | "
+        f"{tg * 1e3:.0f} | {ts * 1e3:.0f} | {ts / tg:.2f}x | "
         f"{g['tok_s']:.1f} | {s['tok_s']:.1f} | {t['tokens_per_pass']:.2f} | "
         f"{g['tokens_per_pass']:.2f} | {s['tokens_per_pass']:.2f} |"
     )
@@ -180,6 +203,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--tokens", type=int, default=160, help="max new tokens per turn")
     p.add_argument("--function", default="textwrap.dedent")
+    p.add_argument("--repeats", type=int, default=3, help="TTFT measurements per turn (median)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     model = specfast.load_model(dtype=args.dtype)
@@ -198,7 +222,7 @@ def main() -> None:
         ("agent", agent_turns(args.function)),
     ):
         print(f"\n{name}: {args.function}\n{HEADER}")
-        results[name] = conversation(model, turns, args.tokens)
+        results[name] = conversation(model, turns, args.tokens, args.repeats)
     print(
         "\ncorpus: first turn of a new conversation\n| case | drafted / accepted without | "
         "drafted / accepted with corpus | tokens/pass without | tokens/pass with | "
