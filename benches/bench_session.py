@@ -204,6 +204,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=160, help="max new tokens per turn")
     p.add_argument("--function", default="textwrap.dedent")
     p.add_argument("--repeats", type=int, default=3, help="TTFT measurements per turn (median)")
+    p.add_argument("--sections", default="edit,agent,corpus", help="comma-separated subset")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     model = specfast.load_model(dtype=args.dtype)
@@ -217,18 +218,22 @@ def main() -> None:
     print(info)
     specfast.generate(model, [1, 2, 3], max_new_tokens=4)  # warm-up
     results: dict = {"info": info}
+    sections = args.sections.split(",")
     for name, turns in (
         ("edit", edit_turns(args.function)),
         ("agent", agent_turns(args.function)),
     ):
+        if name not in sections:
+            continue
         print(f"\n{name}: {args.function}\n{HEADER}")
         results[name] = conversation(model, turns, args.tokens, args.repeats)
-    print(
-        "\ncorpus: first turn of a new conversation\n| case | drafted / accepted without | "
-        "drafted / accepted with corpus | tokens/pass without | tokens/pass with | "
-        "tok/s without | tok/s with |\n|---|---|---|---|---|---|---|"
-    )
-    results["corpus"] = corpus_runs(model, args.tokens)
+    if "corpus" in sections:
+        print(
+            "\ncorpus: first turn of a new conversation\n| case | drafted / accepted without | "
+            "drafted / accepted with corpus | tokens/pass without | tokens/pass with | "
+            "tok/s without | tok/s with |\n|---|---|---|---|---|---|---|"
+        )
+        results["corpus"] = corpus_runs(model, args.tokens)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
