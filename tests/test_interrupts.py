@@ -262,7 +262,7 @@ def test_consistency_check_catches_a_torn_drafter(models):
 
 def test_interrupt_leaves_no_grad_mode_or_threads_changed(models, monkeypatch):
     # inference_mode is a context manager: an interrupt inside must restore the caller's mode.
-    model, draft_model = models
+    model, _ = models
     threads = torch.get_num_threads()
     wrapper, _ = _raise_on_call(2, Decoder.forward)
     monkeypatch.setattr(Decoder, "forward", wrapper)
@@ -280,7 +280,7 @@ def test_negative_control_state_reset_only_on_success(models, monkeypatch):
     # next call overflows the cache).
     import specfast.runtime
 
-    model, draft_model = models
+    model, _ = models
     fresh = _fresh(models, "greedy-ngram")
     real = specfast.runtime.make_decoder
     kept = {}

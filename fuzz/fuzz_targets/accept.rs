@@ -31,7 +31,7 @@ fn rows(values: &[f32], n: usize, vocab: usize, normalise: bool, skew: i8) -> Ve
     let mut out: Vec<f32> = (0..n * vocab)
         .map(|i| values.get(i % values.len().max(1)).copied().unwrap_or(1.0))
         .collect();
-    if normalise {
+    if normalise && vocab > 0 {
         for row in out.chunks_mut(vocab) {
             for x in row.iter_mut() {
                 *x = if x.is_finite() { x.abs() } else { 0.0 };
