@@ -83,3 +83,17 @@ def test_corpus_memory_stays_bounded():
 def test_corpus_bound_above_the_index_limit_is_refused():
     with pytest.raises(ValueError, match="max_corpus_tokens"):
         NgramDrafter(max_corpus_tokens=2**28)
+
+
+@pytest.mark.parametrize("fn", ["accept_sampled", "rule_tables"])
+def test_acceptance_with_an_overflowing_shape_is_a_value_error(fn):
+    # Found by fuzz/accept: a (0, 2**60) array holds nothing, but 16 rows of it overflow usize;
+    # the wrapped product matched the empty buffer and the row slicing panicked.
+    from specfast import _core
+
+    target = np.zeros((0, 2**60), np.float32)
+    with pytest.raises(ValueError, match="target_probs must have shape"):
+        if fn == "accept_sampled":
+            _core.accept_sampled(target, [1] * 15, seed=1)
+        else:
+            _core.rule_tables(target, [1] * 15)

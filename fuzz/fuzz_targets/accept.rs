@@ -54,13 +54,7 @@ fn check_out(out: &[u32], draft: &[u32], vocab: usize) {
     assert!((out[n] as usize) < vocab);
 }
 
-fn run<T: Prob>(
-    target: &[T],
-    vocab: usize,
-    draft: &[u32],
-    q: Option<&[T]>,
-    input: &Input,
-) {
+fn run<T: Prob>(target: &[T], vocab: usize, draft: &[u32], q: Option<&[T]>, input: &Input) {
     if let Ok(out) = accept_sampled(target, vocab, draft, q, input.seed) {
         check_out(&out, draft, vocab);
     }
@@ -87,7 +81,9 @@ fuzz_target!(|input: Input| {
         .map(|v| rows(v, k, vocab, input.normalise, input.skew / 3));
     run(&target, vocab, &draft, q.as_deref(), &input);
     let target64: Vec<f64> = target.iter().map(|&x| f64::from(x)).collect();
-    let q64: Option<Vec<f64>> = q.as_ref().map(|q| q.iter().map(|&x| f64::from(x)).collect());
+    let q64: Option<Vec<f64>> = q
+        .as_ref()
+        .map(|q| q.iter().map(|&x| f64::from(x)).collect());
     run(&target64, vocab, &draft, q64.as_deref(), &input);
     if let Some(v) = input.huge_vocab {
         // A vocabulary whose (k + 1) * V overflows must be an error, not a panic.

@@ -63,7 +63,8 @@ fuzz_target!(|input: Input| {
             }
             Op::AddDocument(bytes) => {
                 let toks: Vec<u32> = bytes.iter().map(|&b| u32::from(b) % alphabet).collect();
-                d.add_document(&toks).expect("add_document of a short document");
+                d.add_document(&toks)
+                    .expect("add_document of a short document");
                 seen.extend(toks);
             }
             Op::Reset => {
@@ -75,7 +76,10 @@ fuzz_target!(|input: Input| {
                 let p = d.propose(k).expect("k below MAX_K");
                 assert!(p.len() <= d.k_cap(k, d.match_length()));
                 assert!(p.len() <= k);
-                assert!(p.iter().all(|t| seen.contains(t)), "proposed an unseen token");
+                assert!(
+                    p.iter().all(|t| seen.contains(t)),
+                    "proposed an unseen token"
+                );
             }
             Op::ProposeHuge(k) => {
                 // Anything up to usize::MAX: an error or a bounded proposal, never a panic.
