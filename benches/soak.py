@@ -109,6 +109,7 @@ def soak(
     max_new_tokens: int = 24,
     tokenizer=None,
     after_call: Callable[[int], None] | None = None,
+    on_sample: Callable[[tuple], None] | None = None,
 ) -> dict:
     """Runs `calls` generate() calls; every `every` calls, after gc, samples (call, RSS MB,
     CUDA MB or None, Python heap MB as tracemalloc traces it or None when it is not tracing)."""
@@ -128,6 +129,8 @@ def soak(
                 tracemalloc.get_traced_memory()[0] / 2**20 if tracemalloc.is_tracing() else None
             )
             samples.append((i, rss_mb(), cuda_mb(), traced))
+            if on_sample is not None:
+                on_sample(samples[-1])
     return {"calls": calls, "seconds": time.perf_counter() - start, "samples": samples}
 
 
@@ -161,7 +164,8 @@ def main() -> None:
     report = {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
     if args.tiny_calls:
         prompts = [[5, 6, 7, 8] * 4, list(range(30, 70)), [1, 2, 3, 1, 2, 3, 1, 2]]
-        res = soak(tiny_model(0), tiny_model(1), prompts, args.tiny_calls, args.every)
+        res = soak(tiny_model(0), tiny_model(1), prompts, args.tiny_calls, args.every,
+                   on_sample=lambda s: print("tiny sample", *s, flush=True))  # fmt: skip
         report["tiny"] = summarize(res) | {"samples": res["samples"]}
         print("tiny:", json.dumps({k: v for k, v in report["tiny"].items() if k != "samples"}))
     if args.smollm_calls:
@@ -173,7 +177,8 @@ def main() -> None:
             "The capital of France is",
         ]
         prompts = [tok.encode(t).ids for t in texts]
-        res = soak(model, model, prompts, args.smollm_calls, args.every, 16, tokenizer=tok)
+        res = soak(model, model, prompts, args.smollm_calls, args.every, 16, tokenizer=tok,
+                   on_sample=lambda s: print("smollm sample", *s, flush=True))  # fmt: skip
         report["smollm"] = summarize(res) | {"samples": res["samples"]}
         print("smollm:", json.dumps({k: v for k, v in report["smollm"].items() if k != "samples"}))
     if args.json:
