@@ -40,7 +40,10 @@ def rule_tables(
 
 @final
 class NgramDrafter:
-    """Proposes draft tokens by suffix-automaton lookup over everything committed so far."""
+    """Proposes draft tokens by suffix-automaton lookup over everything committed so far.
+
+    Safe to share between threads: calls serialise on an internal lock, whole call by whole call.
+    """
 
     def __new__(
         cls,
