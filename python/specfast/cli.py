@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specfast.bench import DEFAULT_ENGINES, DRAFT_ENGINES, ENGINES, NEEDS_DRAFT
+from specfast.bench import (
+    DEFAULT_ENGINES,
+    DEFAULT_LLAMA_ENGINES,
+    DRAFT_ENGINES,
+    ENGINES,
+    LLAMA_DRAFT_ENGINES,
+    NEEDS_DRAFT,
+)
 from specfast.workloads import KINDS
 
 # As specfast.model.DTYPE_CHOICES and specfast.steps.COMPILE_CHOICES (a test checks), spelled out
@@ -224,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help=f"comma-separated from {','.join(ENGINES)} (default: {','.join(DEFAULT_ENGINES)}, "
         "plus the draft engines when --draft is given)",
+    )
+    b.add_argument(
+        "--backend",
+        choices=("specfast", "llama.cpp"),
+        default="specfast",
+        help="llama.cpp: the default engines are llama.cpp's own loops and specfast over "
+        f"llama.cpp ({','.join(DEFAULT_LLAMA_ENGINES)}); needs specfast[llama]",
     )
     b.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
     b.add_argument(
@@ -447,6 +461,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]):
+    if args.engines is None and args.backend == "llama.cpp":
+        args.engines = list(DEFAULT_LLAMA_ENGINES) + (
+            list(LLAMA_DRAFT_ENGINES) if args.draft else []
+        )
     if args.engines is None:
         args.engines = list(DEFAULT_ENGINES) + (list(DRAFT_ENGINES) if args.draft else [])
     needs_draft = [e for e in args.engines if e in NEEDS_DRAFT]

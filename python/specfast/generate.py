@@ -252,7 +252,7 @@ def generate(
     A call is a one-turn Session: it prefills the whole prompt into a fresh cache.
     """
     from specfast.draft import common_tokens
-    from specfast.runtime import is_model, make_decoder, model_facts
+    from specfast.runtime import context_hint, is_model, make_decoder, model_facts, model_tokenizer
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise TypeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -261,10 +261,11 @@ def generate(
     fixed_k = check_k(num_speculative_tokens)
     if not is_model(model):
         raise TypeError(
-            f"model must be a specfast model (load_model) or a transformers causal LM, "
+            f"model must be a specfast model (load_model), a transformers causal LM or a "
+            f"llama_cpp.Llama, "
             f"got {type(model).__name__}"
         )
-    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    tokenizer = tokenizer if tokenizer is not None else model_tokenizer(model)
     vocab_size, max_context, device = model_facts(model)
     common_tokens(draft_vocabulary, vocab_size)  # checked even when no draft model uses it
     settings = check_settings(
@@ -285,7 +286,7 @@ def generate(
     if len(prompt_ids) + max_new_tokens > max_context:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {max_context} tokens"
+            f"model's context of {max_context} tokens{context_hint(model)}"
         )
     the_drafter = make_drafter(
         drafter,
@@ -413,7 +414,9 @@ def _eos_ids(eos_token_id, model, tokenizer, ignore_eos: bool) -> set[int]:
     if ignore_eos:
         return set()
     if eos_token_id is None:
-        return set(getattr(model, "eos_token_ids", None) or _hf_eos(model))
+        from specfast.runtime import model_eos_ids
+
+        return set(model_eos_ids(model) or _hf_eos(model))
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int):

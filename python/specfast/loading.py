@@ -35,7 +35,9 @@ def default_model_path() -> Path:
     )
 
 
-def load_model(path=None, device=None, dtype="auto", compile="auto") -> Model:
+def load_model(
+    path=None, device=None, dtype="auto", compile="auto", backend="specfast", **llama_kwargs
+):
     """A GGUF file or a HF checkpoint folder (config.json + *.safetensors) -> Model.
 
     path=None loads the default model (SmolLM2-135M-Instruct). dtype "auto" picks by hardware:
@@ -43,7 +45,22 @@ def load_model(path=None, device=None, dtype="auto", compile="auto") -> Model:
     else float32; "float32" | "bfloat16" | "float16" are honoured as given. `model.dtype` is
     the dtype chosen. compile "auto" | "on" | "off": "auto" compiles the decode and verify
     steps on CUDA (static shapes, CUDA graphs) and runs eager on CPU, where it measured faster.
+
+    backend="llama.cpp" returns a llama_cpp.Llama over the GGUF file instead (its own quantized
+    weights; dtype and compile are not used); extra keyword arguments (n_ctx, n_threads, ...)
+    go to Llama.
     """
+    if backend == "llama.cpp":
+        from specfast.llama_cpp import load_llama
+
+        return load_llama(path, device=device, **llama_kwargs)
+    if backend != "specfast":
+        raise ValueError(f'backend must be "specfast" or "llama.cpp", got {backend!r}')
+    if llama_kwargs:
+        raise TypeError(
+            f"load_model got unexpected arguments {sorted(llama_kwargs)}; extra keyword "
+            'arguments are for backend="llama.cpp"'
+        )
     from .steps import resolve_compile
 
     device = resolve_device(device)

@@ -57,6 +57,7 @@ from specfast.generate import (
     generate,
     run_turn,
 )
+from specfast.runtime import model_tokenizer
 
 DEFAULT_MAX_LENGTH = 8192
 # Options fixed when the session starts: they shape the drafter.
@@ -118,7 +119,7 @@ class Session:
             )
         self.model = model
         self.system = system
-        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        self.tokenizer = tokenizer if tokenizer is not None else model_tokenizer(model)
         self.vocab_size, context, self.device = model_facts(model)
         if max_length is None:
             max_length = min(context, DEFAULT_MAX_LENGTH)
