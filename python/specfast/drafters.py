@@ -51,9 +51,10 @@ class Proposal:
 
 @dataclass
 class Verified:
-    """The verify pass of one round: logits (1 + k, V) and the rows kept (n_accepted + 1)."""
+    """The verify pass of one round: logits (1 + k, V) and the rows kept (n_accepted + 1).
+    Greedy rounds take only the argmax ids from the device, so there `logits` is None."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     n_kept: int
     features: torch.Tensor | None = None  # (n_kept, D) hidden states, for drafters that want them
 

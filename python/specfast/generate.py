@@ -359,10 +359,9 @@ def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: Gener
     t1 = time.perf_counter()
     proposal.seconds = t1 - t0
     ids = torch.tensor([emit.token_ids[-1], *draft], dtype=torch.long, device=settings.device)
-    logits = decoder.forward(ids)  # (1 + len(draft), V)
     sampling = settings.sampling
     q = proposal.q if sampling is not None and draft else None
-    out = _choose(logits, draft, q, len(emit.token_ids), sampling)
+    out, logits = _verify(decoder, ids, draft, q, len(emit.token_ids), sampling)
     n_accepted = len(out) - 1
     drafter.observe(
         proposal, n_accepted, time.perf_counter() - t1, Verified(logits, n_accepted + 1)
@@ -375,6 +374,18 @@ def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: Gener
     stats.accepted_tokens += min(n_accepted, committed)
     stats.acceptance_histogram[n_accepted] += 1
     drafter.extend(emit.token_ids[-committed:])
+
+
+def _verify(decoder, ids, draft, q, pos, sampling) -> tuple[list[int], torch.Tensor | None]:
+    """One target pass over ids = [last, *draft] -> (tokens it commits, its logits or None).
+
+    Greedy: the argmax of every row is taken inside the step (a compiled step's graph) and the
+    k+1 ids are the round's one device-to-host copy; the accepted count is their leading run of
+    matches, counted on the host (O(k)). Sampling needs the logits."""
+    if sampling is None:
+        return accept_greedy(draft, decoder.forward_greedy(ids).tolist()), None
+    logits = decoder.forward(ids)  # (1 + len(draft), V)
+    return _choose(logits, draft, q, pos, sampling), logits
 
 
 def _choose(logits, draft, q, pos, sampling) -> list[int]:

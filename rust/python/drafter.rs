@@ -331,8 +331,7 @@ impl PyNgramDrafter {
     #[pyo3(signature = (path, *, fingerprint=""))]
     #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a path argument as an owned PathBuf
     fn save(&self, py: Python<'_>, path: PathBuf, fingerprint: &str) -> PyResult<()> {
-        let inner = &self.inner;
-        py.detach(|| inner.save_file(&path, fingerprint))?;
+        self.detached(py, |d| d.save_file(&path, fingerprint))?;
         Ok(())
     }
 
@@ -343,7 +342,9 @@ impl PyNgramDrafter {
     #[allow(clippy::needless_pass_by_value)] // as in `save`
     fn load(py: Python<'_>, path: PathBuf, fingerprint: Option<&str>) -> PyResult<Self> {
         let inner = py.detach(|| Drafter::load_file(&path, fingerprint))?;
-        Ok(PyNgramDrafter { inner })
+        Ok(PyNgramDrafter {
+            inner: Mutex::new(inner),
+        })
     }
 
     /// Clears the live sequence; the corpus stays.
