@@ -251,7 +251,7 @@ fn validate_matrix<'a, T: Prob>(
             "{name} has an empty vocabulary axis; it must have shape (rows, V) with V ≥ 1"
         )));
     }
-    if data.len() != rows * vocab {
+    if rows.checked_mul(vocab) != Some(data.len()) {
         return Err(Error::value(format!(
             "{name} has {} values, expected {rows} × {vocab}",
             data.len()
@@ -293,7 +293,9 @@ fn validate<'a, T: Prob>(
     draft_probs: Option<&'a [T]>,
 ) -> Result<(Matrix<'a, T>, Option<Matrix<'a, T>>)> {
     let k = draft.len();
-    if vocab == 0 || target.len() != (k + 1) * vocab {
+    // Checked products: a (0, 2**60) array has no values but a vocabulary axis whose product
+    // with k + 1 overflows, and a wrapped product could pass the length check.
+    if vocab == 0 || (k + 1).checked_mul(vocab) != Some(target.len()) {
         return Err(Error::value(format!(
             "target_probs must have shape (len(draft) + 1, V) = ({}, V); got {} values for V = \
              {vocab}",
@@ -302,7 +304,7 @@ fn validate<'a, T: Prob>(
         )));
     }
     if let Some(q) = draft_probs {
-        if q.len() != k * vocab {
+        if k.checked_mul(vocab) != Some(q.len()) {
             return Err(Error::value(format!(
                 "draft_probs must have shape (len(draft), V) = ({k}, {vocab}); got {} values",
                 q.len()
@@ -473,6 +475,18 @@ pub fn rule_tables<T: Prob>(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn overflowing_shape_is_an_error_not_a_panic() {
+        // Found by fuzz/accept: 16 × 2^60 wraps to 0, which matched an empty target and then
+        // sliced past its end. Python reaches this with np.zeros((0, 2**60)) and a 15-token draft.
+        let v = 1usize << 60;
+        let draft = [1u32; 15];
+        assert!(accept_sampled::<f32>(&[], v, &draft, None, 0).is_err());
+        assert!(accept_sampled::<f32>(&[], v, &draft, Some(&[]), 0).is_err());
+        assert!(rule_tables::<f64>(&[], v, &draft, None).is_err());
+        assert!(accept_sampled::<f32>(&[], usize::MAX, &[], None, 0).is_err());
+    }
 
     #[test]
     fn greedy_prefix_and_correction() {

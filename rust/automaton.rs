@@ -630,7 +630,7 @@ mod tests {
     #[test]
     fn large_ids_and_many_tokens() {
         let s: Vec<u32> = (0..20_000u32)
-            .map(|i| (i * 7919) % 300_000 + u32::MAX - 300_000)
+            .map(|i| u32::MAX - 300_000 + (i * 7919) % 300_000)
             .collect();
         let a = build(
             &s,

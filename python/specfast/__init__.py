@@ -9,6 +9,7 @@ from specfast.loading import default_model_path, load_model
 from specfast.model import Decoder, Model, ModelConfig
 from specfast.runtime import make_decoder
 from specfast.sampling import accept_greedy, accept_sampled, accept_sampled_torch, logits_to_probs
+from specfast.session import Session, Turn
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,8 @@ __all__ = [
     "Model",
     "ModelConfig",
     "NgramDrafter",
+    "Session",
+    "Turn",
     "accept_greedy",
     "accept_sampled",
     "accept_sampled_torch",

@@ -1,5 +1,6 @@
 """Type stubs for the compiled core, `specfast._core`."""
 
+import os
 from collections.abc import Sequence
 from typing import Any, final
 
@@ -39,7 +40,10 @@ def rule_tables(
 
 @final
 class NgramDrafter:
-    """Proposes draft tokens by suffix-automaton lookup over everything committed so far."""
+    """Proposes draft tokens by suffix-automaton lookup over everything committed so far.
+
+    Safe to share between threads: calls serialise on an internal lock, whole call by whole call.
+    """
 
     def __new__(
         cls,
@@ -54,6 +58,9 @@ class NgramDrafter:
     def propose(self, k: int) -> list[int]: ...
     def add_document(self, tokens: Any) -> None: ...
     def reset(self) -> None: ...
+    def save(self, path: str | os.PathLike[str], *, fingerprint: str = "") -> None: ...
+    @staticmethod
+    def load(path: str | os.PathLike[str], *, fingerprint: str | None = None) -> NgramDrafter: ...
     def __len__(self) -> int: ...
     def memory_bytes(self) -> int: ...
     @property

@@ -380,6 +380,10 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
 
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        from specfast.hardware import cpu_flags_label
+
+        info["cpu_flags"] = cpu_flags_label()
         if device.startswith("cuda") and torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
@@ -399,10 +403,23 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     return info
 
 
+def peak_memory(device: str = "cpu") -> dict[str, float]:
+    """The process's peak resident memory (and peak CUDA allocation) so far, in MB."""
+    import resource
+
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB
+    if device.startswith("cuda"):
+        import torch
+
+        out["peak_cuda_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
 def machine_label(meta: dict[str, Any]) -> str:
     if meta.get("gpu"):
         return str(meta["gpu"])
-    return f"{meta.get('cpu', 'CPU')}, {meta.get('cpu_count', '?')} cores"
+    flags = f" [{meta['cpu_flags']}]" if meta.get("cpu_flags") else ""
+    return f"{meta.get('cpu', 'CPU')}{flags}, {meta.get('cpu_count', '?')} cores"
 
 
 def plot_title(model_path: str | Path, dtype: str, max_new_tokens: int, meta: dict) -> str:
@@ -701,14 +718,20 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         llamas = load_llamas(model_path, engines_wanted, args.draft, n_threads=threads)
     hf_needed = any(e.startswith("hf-") for e in engines_wanted)
 
+    requested_dtype = args.dtype
+    if args.dtype == "auto":  # one concrete dtype for every engine, transformers' included
+        from specfast.model import resolve_dtype
+
+        args.dtype = str(resolve_dtype("auto", args.device)).removeprefix("torch.")
     print(f"loading {model_path} ({args.dtype}, {args.device})", file=sys.stderr)
     sf_model = sf_draft = sf_draft_int8 = hf_model = hf_draft = None
     if sf_needed:
         import specfast
 
-        sf_model = specfast.load_model(str(model_path), device=args.device, dtype=args.dtype)
+        load = dict(device=args.device, dtype=args.dtype, compile=args.compile)
+        sf_model = specfast.load_model(str(model_path), **load)
         if args.draft:
-            sf_draft = specfast.load_model(str(args.draft), device=args.device, dtype=args.dtype)
+            sf_draft = specfast.load_model(str(args.draft), **load)
         if args.draft and "specfast-draft-int8" in engines_wanted:
             sf_draft_int8 = specfast.load_model(
                 str(args.draft), device=args.device, dtype=args.dtype
@@ -795,6 +818,10 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         "model": str(model_path),
         "draft": str(args.draft) if args.draft else None,
         "dtype": args.dtype,
+        "dtype_requested": requested_dtype,
+        "compile": args.compile,
+        "step": "compiled" if getattr(sf_model, "compiled_step", None) is not None else "eager",
+        **peak_memory(args.device),
         "max_new_tokens": n,
         "repeats": args.repeats,
         "k": args.k,

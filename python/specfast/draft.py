@@ -20,6 +20,7 @@ a draft depends only on the draft side, never on the target's verdict.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -49,6 +50,7 @@ class DraftModelDrafter:
         eos_ids: Sequence[int] = (),
     ):
         check_same_vocabulary(target, model)
+        warn_if_draft_larger(target, model)
         vocab_size, _, self.device = model_facts(model)
         self.model = model
         self.decoder = make_decoder(model, max_length)
@@ -57,9 +59,10 @@ class DraftModelDrafter:
         self.vocab = None
         if common is not None and isinstance(model, Model):
             self.vocab = DraftVocabulary(model, common, always=eos_ids)
-        self.greedy = temperature == 0
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator(device=self.device)
+        self.set_sampling(
+            seed, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        )
         self.committed: list[int] = []
         # The draft cache holds committed[:known] + drafts[:-1] of the last proposal.
         self._known = 0
@@ -73,6 +76,19 @@ class DraftModelDrafter:
         self.committed.extend(tokens)
         if self.vocab is not None:
             self.vocab.add(tokens)
+
+    def set_sampling(self, seed: int, params: dict | None) -> None:
+        """Samples drafts with `params` (logits_to_probs keywords; None or temperature 0: greedy)
+        from a generator seeded with `seed`: a Session calls it at the start of each turn."""
+        self.greedy = params is None or params.get("temperature", 0) == 0
+        self.sampling = dict(params or {})
+        self.generator.manual_seed(seed)
+
+    def truncate(self, n: int) -> None:
+        """Forgets all but the first n committed tokens; the cache follows on the next proposal."""
+        del self.committed[n:]
+        self._known = min(self._known, n)
+        self._cached_drafts = []
 
     def reset(self) -> None:
         self.committed.clear()
@@ -231,6 +247,22 @@ def check_same_vocabulary(target, draft) -> None:
         raise ValueError(
             f"the draft model's tokenizer maps tokens differently from the target's "
             f"(e.g. {differ}); a draft model must share the target's vocabulary"
+        )
+
+
+def warn_if_draft_larger(target, draft) -> None:
+    """Warns when the draft has more parameters than the target. Allowed, because the output is
+    still exactly the target's (acceptance never depends on which model drafted), but each draft
+    step then costs more than the target pass it is meant to save, so it is almost surely a
+    mistake (the pair swapped). The target as its own draft (equal size) does not warn."""
+    n_target = sum(p.numel() for p in target.parameters())
+    n_draft = sum(p.numel() for p in draft.parameters())
+    if n_draft > n_target:
+        warnings.warn(
+            f"the draft model ({n_draft:,} parameters) is larger than the target "
+            f"({n_target:,}): output stays exact, but drafting will cost more than it saves; "
+            "did you swap them?",
+            stacklevel=4,  # generate()'s caller
         )
 
 

@@ -119,6 +119,10 @@ class LlamaDecoder:
                 "(a target and its draft must be two Llama objects)"
             )
 
+    def forward_greedy(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) -> (T,) argmax ids; appends T tokens."""
+        return self.forward(ids).argmax(dim=-1)
+
     def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length)
         self._check_owner()

@@ -3,11 +3,20 @@
 //! Token input is converted here, in Rust: a list or tuple of ints, a 1-D integer numpy array
 //! (read in place when it is contiguous `uint32`), or a 1-D integer CPU torch tensor (through
 //! `.numpy()`, which shares memory). Nothing loops over tokens in Python.
+//!
+//! Threads: the drafter sits behind a mutex, so calls from several threads serialise, whole
+//! call by whole call (the class is `frozen`: PyO3's per-call borrow flag, which made a call
+//! that overlapped a detached `extend` fail with "Already borrowed", is not used). The
+//! interpreter is released only while indexing more than `DETACH_ABOVE` tokens, and while
+//! waiting for the lock when another thread holds it.
 
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use std::path::PathBuf;
+
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyList, PyString, PyTuple};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
 use crate::drafter::{Config, Drafter, Policy, MAX_K};
 
@@ -220,9 +229,35 @@ fn int_arg(obj: &Bound<'_, PyAny>, name: &str, lo: i64, hi: i64) -> PyResult<i64
 }
 
 /// Proposes draft tokens by suffix-automaton lookup over everything committed so far.
-#[pyclass(name = "NgramDrafter", module = "specfast._core")]
+#[pyclass(name = "NgramDrafter", module = "specfast._core", frozen)]
 pub struct PyNgramDrafter {
-    inner: Drafter,
+    inner: Mutex<Drafter>,
+}
+
+impl PyNgramDrafter {
+    /// The drafter, locked. Uncontended, this is one atomic operation with the interpreter
+    /// attached. Contended, it waits detached: the holder may be indexing with the interpreter
+    /// released and must be able to reattach to return, so waiting attached would deadlock.
+    fn lock(&self, py: Python<'_>) -> MutexGuard<'_, Drafter> {
+        loop {
+            match self.inner.try_lock() {
+                Ok(guard) => return guard,
+                // No call panics while holding the lock (a panic would surface as an
+                // exception first), so the data is as consistent as the last call left it.
+                Err(TryLockError::Poisoned(e)) => return e.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    // A guard cannot leave `detach` (it is not Send): wait there until the
+                    // lock is free, then retry attached.
+                    py.detach(|| drop(self.inner.lock().unwrap_or_else(PoisonError::into_inner)));
+                }
+            }
+        }
+    }
+
+    /// Runs bulk work on the drafter with the interpreter released, locking inside.
+    fn detached<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Drafter) -> R + Send) -> R {
+        py.detach(|| f(&mut self.inner.lock().unwrap_or_else(PoisonError::into_inner)))
+    }
 }
 
 #[pymethods]
@@ -253,98 +288,119 @@ impl PyNgramDrafter {
             max_corpus_tokens,
         };
         Ok(PyNgramDrafter {
-            inner: Drafter::new(config)?,
+            inner: Mutex::new(Drafter::new(config)?),
         })
     }
 
     /// Appends committed tokens to the live sequence and indexes them.
-    fn extend(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
-        let inner = &mut self.inner;
+    fn extend(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         with_tokens(tokens, "extend", |ids| {
             if ids.len() > DETACH_ABOVE {
                 // Copy first: a borrowed numpy buffer could be written by another thread.
                 let ids = ids.to_vec();
-                py.detach(|| inner.extend(&ids))?;
+                self.detached(py, |d| d.extend(&ids))?;
             } else {
-                inner.extend(ids)?;
+                self.lock(py).extend(ids)?;
             }
             Ok(())
         })
     }
 
     /// Up to k tokens that followed the longest earlier match; [] when nothing matches.
-    fn propose(&self, k: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    fn propose(&self, py: Python<'_>, k: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let k = int_arg(k, "k", 0, i64::try_from(MAX_K).unwrap_or(i64::MAX))? as usize;
-        Ok(self.inner.propose(k)?)
+        Ok(self.lock(py).propose(k)?)
     }
 
     /// Adds a document to the corpus that matches may also come from.
-    fn add_document(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
-        let inner = &mut self.inner;
+    fn add_document(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         with_tokens(tokens, "add_document", |ids| {
             if ids.len() > DETACH_ABOVE {
                 let ids = ids.to_vec();
-                py.detach(|| inner.add_document(&ids))?;
+                self.detached(py, |d| d.add_document(&ids))?;
             } else {
-                inner.add_document(ids)?;
+                self.lock(py).add_document(ids)?;
             }
             Ok(())
         })
     }
 
-    /// Clears the live sequence; the corpus stays.
-    fn reset(&mut self) {
-        self.inner.reset();
+    /// Saves the configuration and corpus documents (not the live sequence) to `path`,
+    /// atomically: a crash mid-save leaves any previous file whole. `fingerprint` names the
+    /// tokenizer, so that `load` can refuse a corpus built with another one.
+    #[pyo3(signature = (path, *, fingerprint=""))]
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a path argument as an owned PathBuf
+    fn save(&self, py: Python<'_>, path: PathBuf, fingerprint: &str) -> PyResult<()> {
+        self.detached(py, |d| d.save_file(&path, fingerprint))?;
+        Ok(())
     }
 
-    fn __len__(&self) -> usize {
-        self.inner.len()
+    /// Loads a drafter saved by `save`, with an empty live sequence. With `fingerprint`, a file
+    /// saved with another fingerprint is refused (ValueError).
+    #[staticmethod]
+    #[pyo3(signature = (path, *, fingerprint=None))]
+    #[allow(clippy::needless_pass_by_value)] // as in `save`
+    fn load(py: Python<'_>, path: PathBuf, fingerprint: Option<&str>) -> PyResult<Self> {
+        let inner = py.detach(|| Drafter::load_file(&path, fingerprint))?;
+        Ok(PyNgramDrafter {
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// Clears the live sequence; the corpus stays.
+    fn reset(&self, py: Python<'_>) {
+        self.lock(py).reset();
+    }
+
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.lock(py).len()
     }
 
     /// Bytes held by the live and corpus indexes, counting allocated capacity.
-    fn memory_bytes(&self) -> usize {
-        self.inner.memory_bytes()
+    fn memory_bytes(&self, py: Python<'_>) -> usize {
+        self.lock(py).memory_bytes()
     }
 
     /// Length of the longest suffix of the live sequence seen earlier (live or corpus), or 0.
     #[getter]
-    fn match_length(&self) -> usize {
-        self.inner.match_length()
+    fn match_length(&self, py: Python<'_>) -> usize {
+        self.lock(py).match_length()
     }
 
     /// Tokens indexed in the corpus.
     #[getter]
-    fn corpus_tokens(&self) -> usize {
-        self.inner.corpus_len()
+    fn corpus_tokens(&self, py: Python<'_>) -> usize {
+        self.lock(py).corpus_len()
     }
 
     #[getter]
-    fn policy(&self) -> &'static str {
-        self.inner.config().policy.name()
+    fn policy(&self, py: Python<'_>) -> &'static str {
+        self.lock(py).config().policy.name()
     }
 
     #[getter]
-    fn min_match(&self) -> usize {
-        self.inner.config().min_match
+    fn min_match(&self, py: Python<'_>) -> usize {
+        self.lock(py).config().min_match
     }
 
     #[getter]
-    fn k_factor(&self) -> f64 {
-        self.inner.config().k_factor
+    fn k_factor(&self, py: Python<'_>) -> f64 {
+        self.lock(py).config().k_factor
     }
 
     #[getter]
-    fn k_offset(&self) -> f64 {
-        self.inner.config().k_offset
+    fn k_offset(&self, py: Python<'_>) -> f64 {
+        self.lock(py).config().k_offset
     }
 
     #[getter]
-    fn max_corpus_tokens(&self) -> usize {
-        self.inner.config().max_corpus_tokens
+    fn max_corpus_tokens(&self, py: Python<'_>) -> usize {
+        self.lock(py).config().max_corpus_tokens
     }
 
-    fn __repr__(&self) -> String {
-        let c = self.inner.config();
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let d = self.lock(py);
+        let c = d.config();
         format!(
             "NgramDrafter(min_match={}, policy={:?}, k_factor={}, k_offset={}, \
              max_corpus_tokens={}, len={}, corpus_tokens={})",
@@ -353,8 +409,8 @@ impl PyNgramDrafter {
             c.k_factor,
             c.k_offset,
             c.max_corpus_tokens,
-            self.inner.len(),
-            self.inner.corpus_len()
+            d.len(),
+            d.corpus_len()
         )
     }
 }
