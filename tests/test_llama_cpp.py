@@ -26,7 +26,7 @@ from specfast.llama_cpp import LlamaDecoder, LlamaTokenizer, llama_eos_ids  # no
 TOP_K = 3
 
 
-def sharpened_gguf(path, seed: int, vocab_size: int | None = None):
+def sharpened_gguf(path, seed: int, vocab_size: int | None = None, scale: float = 4.0):
     # Random weights give near-uniform next-token distributions, which cannot tell a right rule
     # from a wrong one; scaled up, every context gets its own uneven distribution.
     m = make_hf_model("llama-tied-gqa", seed=seed)
@@ -35,7 +35,7 @@ def sharpened_gguf(path, seed: int, vocab_size: int | None = None):
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" not in name:
-                p.mul_(4.0)
+                p.mul_(scale)
     return write_tiny_gguf(m, path)
 
 
@@ -55,7 +55,11 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory):
-    return new_llama(sharpened_gguf(tmp_path_factory.mktemp("d") / "draft.gguf", seed=2))
+    # The target's weights, less sharpened: its drafts mostly fall in the target's top 3 (so
+    # the ratio test decides), and its q spreads past its own top 3, so a ratio taken with the
+    # unfiltered q (the negative control below) is far from the filtered q it sampled from.
+    path = sharpened_gguf(tmp_path_factory.mktemp("d") / "draft.gguf", seed=1, scale=2.0)
+    return new_llama(path)
 
 
 @pytest.fixture(scope="module")

@@ -714,7 +714,8 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     if any(e in LLAMA_ALL for e in engines_wanted):
         from specfast.llama_bench import load_llamas
 
-        llamas = load_llamas(model_path, engines_wanted, args.draft)
+        threads = getattr(args, "llama_threads", None)
+        llamas = load_llamas(model_path, engines_wanted, args.draft, n_threads=threads)
     hf_needed = any(e.startswith("hf-") for e in engines_wanted)
 
     requested_dtype = args.dtype

@@ -239,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama.cpp: the default engines are llama.cpp's own loops and specfast over "
         f"llama.cpp ({','.join(DEFAULT_LLAMA_ENGINES)}); needs specfast[llama]",
     )
+    b.add_argument(
+        "--llama-threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="threads of every llama.cpp engine, single and batched passes (default: Llama's)",
+    )
     b.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
     b.add_argument(
         "--sweep-k", action="store_true", help="also run specfast ngram at each k; plot vs k"

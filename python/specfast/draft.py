@@ -250,13 +250,23 @@ def check_same_vocabulary(target, draft) -> None:
         )
 
 
+def parameter_count(model) -> int:
+    """Parameters of a torch model, or of a llama_cpp.Llama (which has no .parameters())."""
+    from specfast.llama_cpp import is_llama
+
+    if is_llama(model):
+        import llama_cpp
+
+        return int(llama_cpp.llama_model_n_params(model.model))
+    return sum(p.numel() for p in model.parameters())
+
+
 def warn_if_draft_larger(target, draft) -> None:
     """Warns when the draft has more parameters than the target. Allowed, because the output is
     still exactly the target's (acceptance never depends on which model drafted), but each draft
     step then costs more than the target pass it is meant to save, so it is almost surely a
     mistake (the pair swapped). The target as its own draft (equal size) does not warn."""
-    n_target = sum(p.numel() for p in target.parameters())
-    n_draft = sum(p.numel() for p in draft.parameters())
+    n_target, n_draft = parameter_count(target), parameter_count(draft)
     if n_draft > n_target:
         warnings.warn(
             f"the draft model ({n_draft:,} parameters) is larger than the target "

@@ -15,7 +15,6 @@ decode rate (tokens after the first over the time after the first) is comparable
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -32,34 +31,33 @@ LOOKUP_TOKENS = 10  # LlamaPromptLookupDecoding's default num_pred_tokens
 # Big enough for the longest workload prompt plus its new tokens. The lookup engine's Llama
 # keeps an (n_ctx, V) float32 score array (400 MB for SmolLM2 at 2048), so not more than needed.
 BENCH_N_CTX = 2048
-# Llama's default n_threads is half the cores (decoding one token on 1 of 2 cores here); the
-# issue's measurements and these benches use every core for both single and batched passes.
-BENCH_N_THREADS = os.cpu_count() or 1
 
 
 def load_llamas(
-    model_path: Path, wanted: list[str], draft_path: Path | None, n_ctx: int = BENCH_N_CTX
+    model_path: Path,
+    wanted: list[str],
+    draft_path: Path | None,
+    n_ctx: int = BENCH_N_CTX,
+    n_threads: int | None = None,
 ) -> dict[str, Any]:
-    """The Llama objects the wanted engines need: 'target', 'lookup', 'draft'."""
+    """The Llama objects the wanted engines need: 'target', 'lookup', 'draft'. n_threads=None
+    keeps Llama's defaults (half the cores for single tokens, all of them for batches)."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     def load(path: Path, **kw):
-        return Llama(
-            model_path=str(path),
-            n_ctx=n_ctx,
-            n_threads=BENCH_N_THREADS,
-            n_threads_batch=BENCH_N_THREADS,
-            verbose=False,
-            **kw,
-        )
+        if n_threads is not None:
+            kw |= {"n_threads": n_threads, "n_threads_batch": n_threads}
+        return Llama(model_path=str(path), n_ctx=n_ctx, verbose=False, **kw)
 
     out: dict[str, Any] = {}
     if any(e != "llama.cpp-lookup" for e in wanted if e in LLAMA_ALL):
         out["target"] = load(model_path)
     if "llama.cpp-lookup" in wanted:
         lookup = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
-        out["lookup"] = load(model_path, draft_model=lookup)
+        # logits_all=True by hand: with a draft model Llama turns it on for eval but sizes its
+        # score array by the argument (n_batch rows), and prompts past n_batch then overflow it.
+        out["lookup"] = load(model_path, draft_model=lookup, logits_all=True)
     if "specfast-llama-draft" in wanted:
         if draft_path is None:
             raise ValueError("specfast-llama-draft needs a draft model (--draft PATH)")
