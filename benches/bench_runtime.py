@@ -78,14 +78,14 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype) -> Model:
     return model
 
 
-def pass_times(model, repeats: int, no_sync_check: bool = False) -> dict[int, float]:
-    """Median seconds of one pass over n tokens after CONTEXT tokens, for each n in NS."""
+def pass_times(model, repeats: int, no_sync_check: bool = False, ns=NS) -> dict[int, float]:
+    """Median seconds of one pass over n tokens after CONTEXT tokens, for each n in `ns`."""
     device = model.device
     dec = model.decoder(CONTEXT + max(NS))
     ids = torch.randint(0, model.vocab_size, (CONTEXT + max(NS),), device=device)
     dec.forward(ids[:CONTEXT], last_only=True)
-    feeds = {n: ids[CONTEXT : CONTEXT + n] for n in NS}
-    for n in NS:  # warm-up: compiles each bucket and records its CUDA graph
+    feeds = {n: ids[CONTEXT : CONTEXT + n] for n in ns}
+    for n in ns:  # warm-up: compiles each bucket and records its CUDA graph
         for _ in range(3):
             dec.rollback(CONTEXT)
             dec.forward_greedy(feeds[n])
@@ -93,14 +93,14 @@ def pass_times(model, repeats: int, no_sync_check: bool = False) -> dict[int, fl
         # Any hidden device->host sync inside a step raises here.
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for n in NS:
+            for n in ns:
                 dec.rollback(CONTEXT)
                 dec.forward_greedy(feeds[n])
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    samples: dict[int, list[float]] = {n: [] for n in NS}
+    samples: dict[int, list[float]] = {n: [] for n in ns}
     for _ in range(repeats):
-        for n in NS:
+        for n in ns:
             dec.rollback(CONTEXT)
             sync(device)
             t = time.perf_counter()
@@ -117,6 +117,7 @@ def main(argv=None) -> dict:
     p.add_argument("--shapes", nargs="+", default=["gguf"], help="gguf (SmolLM2 file) or shapes")
     p.add_argument("--compile", action="store_true", help="also time compiled steps")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--ns", type=int, nargs="+", default=list(NS), help="tokens per pass")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -124,8 +125,9 @@ def main(argv=None) -> dict:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_flags_label()
     print(f"{device} ({where}): copy {bw / 1e9:.1f} GB/s (read + write); bound uses half")
     print()
-    print("| model | dtype | step | weights | bound | " + " | ".join(f"n={n}" for n in NS) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(NS))
+    ns = tuple(args.ns)
+    print("| model | dtype | step | weights | bound | " + " | ".join(f"n={n}" for n in ns) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(ns))
     results = {"device": str(device), "where": where, "copy_bytes_per_s": bw, "rows": []}
     for shape in args.shapes:
         for dtype_name in args.dtype:
@@ -140,9 +142,10 @@ def main(argv=None) -> dict:
                 torch._dynamo.reset()
                 model.compile_steps(step == "compiled")
                 t0 = time.perf_counter()
-                t = pass_times(model, args.repeats, no_sync_check=step == "compiled")
-                cells = [f"{t[1] * 1e3:.2f} ms ({t[1] / bound:.2f}× bound)"]
-                cells += [f"×{t[n] / t[1]:.2f}" for n in NS[1:]]
+                t = pass_times(model, args.repeats, step == "compiled", ns)
+                first = ns[0]
+                cells = [f"{t[first] * 1e3:.2f} ms ({t[first] / bound:.2f}× bound)"]
+                cells += [f"×{t[n] / t[first]:.2f}" for n in ns[1:]]
                 name = str(dtype).removeprefix("torch.")
                 print(
                     f"| {shape} | {name} | {step} | {wb / 1e6:.0f} MB | {bound * 1e3:.2f} ms | "
@@ -158,7 +161,7 @@ def main(argv=None) -> dict:
                         "weight_bytes": wb,
                         "bound_seconds": bound,
                         "pass_seconds": {str(n): s for n, s in t.items()},
-                        "fraction_of_bound": bound / t[1],
+                        "fraction_of_bound": bound / t[first],
                         "wall_seconds_incl_compile": time.perf_counter() - t0,
                     }
                 )
