@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 import specfast
 from specfast import NgramDrafter
@@ -18,6 +19,15 @@ from specfast.model import Model, ModelConfig
 
 THREADS = 8
 CHUNK = 5000  # above the 4096 tokens past which extend releases the GIL
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Several generate() threads on 2 cores: torch's own intra-op threads would only oversubscribe.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _run_threads(target, n=THREADS):
