@@ -301,6 +301,64 @@ impl Drafter {
         Ok(())
     }
 
+    /// The kept corpus documents, oldest first.
+    pub fn documents(&self) -> impl Iterator<Item = &[u32]> + '_ {
+        self.doc_starts.iter().enumerate().map(|(i, &s)| {
+            let end = self
+                .doc_starts
+                .get(i + 1)
+                .map_or(self.corpus.len(), |&e| e as usize);
+            &self.corpus[s as usize..end]
+        })
+    }
+
+    /// A drafter with an empty live sequence whose corpus is what adding `docs` in order with
+    /// [`add_document`](Self::add_document) would keep, indexed once: time linear in the tokens
+    /// kept, however many documents the memory rule drops on the way.
+    pub fn from_documents<'a>(
+        config: Config,
+        docs: impl Iterator<Item = &'a [u32]> + Clone,
+    ) -> Result<Drafter> {
+        let mut d = Drafter::new(config)?;
+        let cap = config.max_corpus_tokens;
+        // The memory rule on lengths alone: `kept` holds (index, kept length) of the documents
+        // that survive, `total` their tokens.
+        let mut kept = std::collections::VecDeque::new();
+        let mut total = 0usize;
+        for (i, doc) in docs.clone().enumerate() {
+            let n = doc.len().min(cap);
+            if n == 0 {
+                continue;
+            }
+            if total + n > cap {
+                let target = (cap / 2).saturating_sub(n);
+                while total > target {
+                    let Some((_, m)) = kept.pop_front() else {
+                        break;
+                    };
+                    total -= m;
+                }
+            }
+            kept.push_back((i, n));
+            total += n;
+        }
+        d.corpus.reserve_exact(total);
+        d.doc_starts.reserve_exact(kept.len());
+        d.corpus_sam.reserve(total);
+        let mut next = kept.iter().peekable();
+        for (i, doc) in docs.enumerate() {
+            match next.peek() {
+                Some(&&(j, n)) if j == i => {
+                    d.index_document(&doc[doc.len() - n..]);
+                    next.next();
+                }
+                Some(_) => {}
+                None => break,
+            }
+        }
+        Ok(d)
+    }
+
     fn index_document(&mut self, doc: &[u32]) {
         self.doc_starts.push(self.corpus.len() as u32);
         self.corpus.extend_from_slice(doc);

@@ -2,23 +2,60 @@
 //! the binding layer maps them to Python exceptions.
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Error {
-    /// An argument outside what is allowed. Python sees `ValueError`.
+    /// An argument outside what is allowed, or a malformed file. Python sees `ValueError`.
     Value(String),
+    /// Reading or writing a file failed. Python sees `OSError` (the subclass its errno picks,
+    /// such as `FileNotFoundError`), with `filename` set to `path`.
+    Io {
+        errno: Option<i32>,
+        message: String,
+        path: Option<PathBuf>,
+    },
 }
 
 impl Error {
     pub fn value(message: impl Into<String>) -> Self {
         Error::Value(message.into())
     }
+
+    /// An I/O error about `path`. The message is the system's, without Rust's "(os error N)".
+    pub fn io(err: &std::io::Error, path: Option<&Path>) -> Self {
+        let errno = err.raw_os_error();
+        let full = err.to_string();
+        let message = match errno {
+            Some(n) => full
+                .strip_suffix(&format!(" (os error {n})"))
+                .unwrap_or(&full)
+                .to_owned(),
+            None => full,
+        };
+        Error::Io {
+            errno,
+            message,
+            path: path.map(Path::to_path_buf),
+        }
+    }
+}
+
+impl From<std::io::Error> for Error {
+    fn from(err: std::io::Error) -> Self {
+        Error::io(&err, None)
+    }
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Value(message) => f.write_str(message),
+            Error::Io {
+                message,
+                path: Some(path),
+                ..
+            } => write!(f, "{message}: {}", path.display()),
+            Error::Value(message) | Error::Io { message, .. } => f.write_str(message),
         }
     }
 }

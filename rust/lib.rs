@@ -3,6 +3,7 @@
 //! - [`automaton`]: an online suffix automaton over token ids.
 //! - [`bigvec`]: the growable array it keeps its states and transitions in (2 MiB pages).
 //! - [`drafter`]: the n-gram drafter built on it (match policies, evidence-capped k, corpus).
+//! - [`corpus`]: saving a drafter's corpus to a versioned, checksummed file and loading it back.
 //! - [`accept`]: greedy verification and residual rejection sampling.
 //! - [`error`]: the error type, turned into Python exceptions only at the boundary.
 //!
@@ -11,6 +12,7 @@
 pub mod accept;
 pub mod automaton;
 pub mod bigvec;
+pub mod corpus;
 pub mod drafter;
 pub mod error;
 

@@ -128,7 +128,7 @@ def smollm_gguf() -> Path:
 def smollm(smollm_gguf):
     from specfast import load_model
 
-    return load_model(smollm_gguf)
+    return load_model(smollm_gguf, dtype="float32")
 
 
 def llama_cpp_permute(w, n_head):

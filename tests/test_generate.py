@@ -153,6 +153,10 @@ class RecordingDecoder:
         self.log.append((self.inner.length, ids.shape[0]))
         return self.inner.forward(ids, last_only)
 
+    def forward_greedy(self, ids):
+        self.log.append((self.inner.length, ids.shape[0]))
+        return self.inner.forward_greedy(ids)
+
     def rollback(self, n):
         self.inner.rollback(n)
 

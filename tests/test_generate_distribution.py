@@ -46,6 +46,11 @@ def exact_next(model, context: list[int]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def exact_joint(model) -> np.ndarray:
+    return joint_of(model)
+
+
+def joint_of(model) -> np.ndarray:
+    """The exact joint of the first 3 tokens after PROMPT, in float64."""
     joint = np.zeros((V, V, V))
     p1 = exact_next(model, PROMPT)
     for a in range(V):

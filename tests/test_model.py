@@ -226,7 +226,7 @@ def test_bad_lengths_and_config(tiny_model):
     with pytest.raises(ValueError, match="multiple"):
         ModelConfig(n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="dtype"):
-        Model.from_config(ModelConfig(), dtype="float16")
+        Model.from_config(ModelConfig(), dtype="float64")
     with pytest.raises(ValueError, match="dtype"):
         Model.from_config(ModelConfig(), dtype=torch.int64)
 

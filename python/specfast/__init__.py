@@ -3,10 +3,13 @@
 from specfast._core import NgramDrafter
 from specfast.draft import CombinedDrafter
 from specfast.generate import GenerateOutput, GenerationStats, generate
-from specfast.hf import HFDecoder, make_decoder
+from specfast.hf import HFDecoder
+from specfast.llama_cpp import LlamaDecoder
 from specfast.loading import default_model_path, load_model
 from specfast.model import Decoder, Model, ModelConfig
+from specfast.runtime import make_decoder
 from specfast.sampling import accept_greedy, accept_sampled, accept_sampled_torch, logits_to_probs
+from specfast.session import Session, Turn
 
 __version__ = "0.1.0"
 
@@ -16,9 +19,12 @@ __all__ = [
     "GenerateOutput",
     "GenerationStats",
     "HFDecoder",
+    "LlamaDecoder",
     "Model",
     "ModelConfig",
     "NgramDrafter",
+    "Session",
+    "Turn",
     "accept_greedy",
     "accept_sampled",
     "accept_sampled_torch",

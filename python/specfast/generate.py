@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from specfast._core import NgramDrafter, accept_greedy, accept_sampled
-from specfast.autok import AutoK
+from specfast._core import accept_greedy, accept_sampled
+from specfast.drafters import Verified, check_features, make_drafter
 from specfast.sampling import (
     accept_sampled_torch,
     check_sampling_params,
@@ -42,6 +42,8 @@ class GenerationStats:
     new_tokens: int = 0
     seconds: float = 0.0  # wall time, prefill included
     prefill_seconds: float = 0.0
+    prefill_tokens: int = 0  # tokens run through the target before the first new token
+    reused_tokens: int = 0  # tokens already in the cache (a Session's earlier turns)
 
     @property
     def decode_steps(self) -> int:
@@ -71,6 +73,8 @@ class GenerationStats:
             "tokens_per_second": self.tokens_per_second,
             "seconds": self.seconds,
             "prefill_seconds": self.prefill_seconds,
+            "prefill_tokens": self.prefill_tokens,
+            "reused_tokens": self.reused_tokens,
         }
 
 
@@ -86,7 +90,7 @@ class GenerateOutput:
 # argument checking
 
 
-def _check_k(num_speculative_tokens) -> int | None:
+def check_k(num_speculative_tokens) -> int | None:
     """Returns the fixed k, or None for "auto"."""
     if num_speculative_tokens == "auto":
         return None
@@ -154,6 +158,71 @@ def _decode(tokenizer, ids: list[int]) -> str:
 # the loop
 
 
+@dataclass
+class Settings:
+    """One call's checked generation options (generate(), or one Session.send)."""
+
+    max_new_tokens: int
+    sampling: tuple[int, dict] | None  # None for greedy, else (seed, logits_to_probs keywords)
+    seed: int
+    params: dict
+    eos_ids: set[int]
+    stops: list[str]
+    streamer: Any
+    tokenizer: Any
+    vocab_size: int
+    device: torch.device
+
+
+def check_settings(
+    model,
+    tokenizer,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    streamer: Any = None,
+    ignore_eos: bool = False,
+) -> Settings:
+    """Checks generate()'s per-call options; ValueError/TypeError say what is allowed."""
+    from specfast.runtime import model_facts
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    params = dict(temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, min_p=min_p or 0.0)
+    if top_p == 0:
+        params["top_p"] = 0.0  # `or` would turn it into "off"; let the check refuse it
+    check_sampling_params(**params)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed}")
+    eos_ids = _eos_ids(eos_token_id, model, tokenizer, ignore_eos)
+    stops = _stop_strings(stop_strings, tokenizer)
+    seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    sampling = None if temperature == 0 else (seed, params)
+    vocab_size, _, device = model_facts(model)
+    return Settings(
+        max_new_tokens,
+        sampling,
+        seed,
+        params,
+        eos_ids,
+        stops,
+        streamer,
+        tokenizer,
+        vocab_size,
+        device,
+    )
+
+
 def generate(
     model,
     prompt,
@@ -180,132 +249,93 @@ def generate(
     that receives text as tokens are committed. `ignore_eos` keeps going past EOS (benchmarks).
     `draft_vocabulary` (a specfast draft model only): the draft proposes from its N lowest token
     ids plus the sequence's own tokens; "auto" = 32768 for vocabularies over 65536, None = all.
+    A call is a one-turn Session: it prefills the whole prompt into a fresh cache.
     """
-    from specfast.draft import CombinedDrafter, DraftModelDrafter, common_tokens
-    from specfast.runtime import is_model, make_decoder, model_facts
+    from specfast.draft import common_tokens
+    from specfast.runtime import context_hint, is_model, make_decoder, model_facts, model_tokenizer
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise TypeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    params = dict(temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, min_p=min_p or 0.0)
-    if top_p == 0:
-        params["top_p"] = 0.0  # `or` would turn it into "off"; let the check refuse it
-    check_sampling_params(**params)
-    fixed_k = _check_k(num_speculative_tokens)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
-    if seed is not None and not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed}")
+    fixed_k = check_k(num_speculative_tokens)
     if not is_model(model):
         raise TypeError(
-            f"model must be a specfast model (load_model) or a transformers causal LM, "
+            f"model must be a specfast model (load_model), a transformers causal LM or a "
+            f"llama_cpp.Llama, "
             f"got {type(model).__name__}"
         )
-
-    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    tokenizer = tokenizer if tokenizer is not None else model_tokenizer(model)
     vocab_size, max_context, device = model_facts(model)
     common_tokens(draft_vocabulary, vocab_size)  # checked even when no draft model uses it
+    settings = check_settings(
+        model,
+        tokenizer,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+        eos_token_id=eos_token_id,
+        stop_strings=stop_strings,
+        streamer=streamer,
+        ignore_eos=ignore_eos,
+    )
     prompt_ids = _prompt_ids(prompt, tokenizer, vocab_size, device)
     if len(prompt_ids) + max_new_tokens > max_context:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {max_context} tokens"
+            f"model's context of {max_context} tokens{context_hint(model)}"
         )
-    eos_ids = _eos_ids(eos_token_id, model, tokenizer, ignore_eos)
-    stops = _stop_strings(stop_strings, tokenizer)
-    greedy = temperature == 0
-    seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-    sampling = None if greedy else (seed, params)
-
-    # The drafter: None, an n-gram index over the committed tokens, or a draft model.
-    model_drafter = None
-    if isinstance(drafter, str):
-        if drafter != "ngram":
-            raise ValueError(
-                f'drafter must be "ngram", None, an NgramDrafter or a model: {drafter!r}'
-            )
-        drafter = NgramDrafter()
-    elif drafter is not None and (is_model(drafter) or isinstance(drafter, CombinedDrafter)):
-        model_drafter = DraftModelDrafter(
-            drafter.model if isinstance(drafter, CombinedDrafter) else drafter,
-            target=model,
-            max_length=len(prompt_ids) + max_new_tokens,
-            seed=seed,
-            vocabulary=draft_vocabulary,
-            eos_ids=sorted(eos_ids),
-            **params,
-        )
-        if isinstance(drafter, CombinedDrafter):
-            drafter.bind(model_drafter)
-        else:
-            drafter = model_drafter
-    elif drafter is not None and not (hasattr(drafter, "propose") and hasattr(drafter, "extend")):
-        raise TypeError(
-            'drafter must be "ngram", None, an NgramDrafter or a draft model, '
-            f"got {type(drafter).__name__}"
-        )
-    auto = AutoK() if fixed_k is None else None
-    if auto is not None and model_drafter is not None:
-        model_drafter.keep_going = auto.keep_drafting
-    stats = GenerationStats(acceptance_histogram=[0] * ((fixed_k or MAX_SPECULATIVE_TOKENS) + 1))
-    emit = _Emitter(streamer, tokenizer, prompt_ids, eos_ids, stops, max_new_tokens)
-
+    the_drafter = make_drafter(
+        drafter,
+        target=model,
+        fixed_k=fixed_k,
+        max_length=len(prompt_ids) + max_new_tokens,
+        seed=settings.seed,
+        params=settings.params,
+        vocabulary=draft_vocabulary,
+        eos_ids=sorted(settings.eos_ids),
+    )
     start = time.perf_counter()
     with torch.inference_mode():
         decoder = make_decoder(model, len(prompt_ids) + max_new_tokens)
-        prompt_t = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-        logits = decoder.forward(prompt_t, last_only=True)  # (1, V)
-        first = _choose(logits, [], None, 0, sampling)
+        return run_turn(decoder, the_drafter, prompt_ids, 0, settings, fixed_k, start=start)
+
+
+def run_turn(
+    decoder,
+    drafter,
+    ids: list[int],
+    indexed: int,
+    settings: Settings,
+    fixed_k: int | None,
+    start: float | None = None,
+) -> GenerateOutput:
+    """Continues `ids` (the whole context) by one reply. The decoder holds `ids[:decoder.length]`
+    and the drafter `ids[:indexed]`; the rest is prefilled here, then rounds run to the end.
+    Returns with the cache holding every committed token but the last, as a round leaves it."""
+    check_features(drafter)
+    start = time.perf_counter() if start is None else start
+    stats = GenerationStats(acceptance_histogram=[0] * ((fixed_k or MAX_SPECULATIVE_TOKENS) + 1))
+    s = settings
+    emit = _Emitter(s.streamer, s.tokenizer, ids, s.eos_ids, s.stops, s.max_new_tokens)
+    drafter.start_turn(s.seed, s.params if s.sampling is not None else None)
+    with torch.inference_mode():
+        reused = decoder.length
+        new = torch.tensor(ids[reused:], dtype=torch.long, device=s.device)
+        logits = decoder.forward(new, last_only=True)  # (1, V)
+        first = _choose(logits, [], None, 0, s.sampling)
         stats.target_passes = 1
+        stats.prefill_tokens, stats.reused_tokens = len(ids) - reused, reused
         stats.prefill_seconds = time.perf_counter() - start
         emit.commit(*first)
-        if drafter is not None:
-            drafter.extend(prompt_ids)
-            drafter.extend(emit.token_ids)
-            if hasattr(drafter, "prefill"):
-                drafter.prefill()  # a draft model reads the prompt now, not in round one
-
+        drafter.extend(ids[indexed:])
+        drafter.extend(emit.token_ids)
+        drafter.prefill()  # a draft model reads the prompt now, not in round one
         while not emit.done:
-            budget = max_new_tokens - len(emit.token_ids) - 1  # proposals past this are wasted
-            if drafter is None:
-                k = 0
-            elif fixed_k is not None:
-                k = fixed_k
-            elif isinstance(drafter, CombinedDrafter):
-                drafter.use_ngram, k = auto.choose_source(drafter.ngram.match_length)
-                if k and not drafter.use_ngram:
-                    k = auto.max_draft_k  # the draft model stops itself (keep_drafting)
-            elif drafter is model_drafter:
-                k = auto.choose_draft()
-            else:
-                k = auto.choose(getattr(drafter, "match_length", None))
-            k = min(k, budget)
-            match = getattr(drafter, "match_length", None)  # the evidence this round drafts on
-            draft, q = [], None
-            t0 = time.perf_counter()
-            if k > 0:
-                draft = list(drafter.propose(k))[:k]
-                q = getattr(drafter, "draft_probs", None) if not greedy and draft else None
-                _check_draft(draft, vocab_size)
-            t1 = time.perf_counter()
-            ids = torch.tensor([emit.token_ids[-1], *draft], dtype=torch.long, device=device)
-            logits = decoder.forward(ids)  # (1 + len(draft), V)
-            out = _choose(logits, draft, q, len(emit.token_ids), sampling)
-            n_accepted = len(out) - 1
-            if auto is not None:
-                auto.observe(len(draft), n_accepted, time.perf_counter() - t1, t1 - t0, match)
-                if draft and getattr(drafter, "confidences", None):
-                    auto.observe_confidences(drafter.confidences, n_accepted)
-            # Keep [last, accepted drafts] in the cache; the new token goes in next round.
-            decoder.rollback(decoder.length - len(draft) + n_accepted)
-            committed = emit.commit(*out)
-            stats.target_passes += 1
-            stats.draft_tokens += len(draft)
-            stats.accepted_tokens += min(n_accepted, committed)
-            stats.acceptance_histogram[n_accepted] += 1
-            if drafter is not None:
-                drafter.extend(emit.token_ids[-committed:])
+            speculate(decoder, drafter, emit, s, stats)
     stats.seconds = time.perf_counter() - start
     stats.new_tokens = len(emit.token_ids)
     emit.end()
@@ -313,8 +343,49 @@ def generate(
         # Trim the histogram to the longest run seen so "auto" output stays readable.
         last = max((i for i, n in enumerate(stats.acceptance_histogram) if n), default=0)
         stats.acceptance_histogram = stats.acceptance_histogram[: last + 1]
-    text = _decode(tokenizer, emit.token_ids) if tokenizer is not None else None
+    text = _decode(s.tokenizer, emit.token_ids) if s.tokenizer is not None else None
     return GenerateOutput(emit.token_ids, text, stats, emit.finish_reason)
+
+
+def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: GenerationStats):
+    """One round: propose, verify [last, *draft] in one target pass, accept, roll back the
+    rejected rows, commit, tell the drafter. The same for every drafter (drafters.py)."""
+    budget = emit.max_new_tokens - len(emit.token_ids) - 1  # proposals past this are wasted
+    t0 = time.perf_counter()
+    proposal = drafter.propose(budget)
+    draft = proposal.tokens
+    if draft:
+        _check_draft(draft, settings.vocab_size)
+    t1 = time.perf_counter()
+    proposal.seconds = t1 - t0
+    ids = torch.tensor([emit.token_ids[-1], *draft], dtype=torch.long, device=settings.device)
+    sampling = settings.sampling
+    q = proposal.q if sampling is not None and draft else None
+    out, logits = _verify(decoder, ids, draft, q, len(emit.token_ids), sampling)
+    n_accepted = len(out) - 1
+    drafter.observe(
+        proposal, n_accepted, time.perf_counter() - t1, Verified(logits, n_accepted + 1)
+    )
+    # Keep [last, accepted drafts] in the cache; the new token goes in next round.
+    decoder.rollback(decoder.length - len(draft) + n_accepted)
+    committed = emit.commit(*out)
+    stats.target_passes += 1
+    stats.draft_tokens += len(draft)
+    stats.accepted_tokens += min(n_accepted, committed)
+    stats.acceptance_histogram[n_accepted] += 1
+    drafter.extend(emit.token_ids[-committed:])
+
+
+def _verify(decoder, ids, draft, q, pos, sampling) -> tuple[list[int], torch.Tensor | None]:
+    """One target pass over ids = [last, *draft] -> (tokens it commits, its logits or None).
+
+    Greedy: the argmax of every row is taken inside the step (a compiled step's graph) and the
+    k+1 ids are the round's one device-to-host copy; the accepted count is their leading run of
+    matches, counted on the host (O(k)). Sampling needs the logits."""
+    if sampling is None:
+        return accept_greedy(draft, decoder.forward_greedy(ids).tolist()), None
+    logits = decoder.forward(ids)  # (1 + len(draft), V)
+    return _choose(logits, draft, q, pos, sampling), logits
 
 
 def _choose(logits, draft, q, pos, sampling) -> list[int]:
@@ -354,7 +425,9 @@ def _eos_ids(eos_token_id, model, tokenizer, ignore_eos: bool) -> set[int]:
     if ignore_eos:
         return set()
     if eos_token_id is None:
-        return set(getattr(model, "eos_token_ids", None) or _hf_eos(model))
+        from specfast.runtime import model_eos_ids
+
+        return set(model_eos_ids(model) or _hf_eos(model))
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int):

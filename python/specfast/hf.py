@@ -77,6 +77,10 @@ class HFDecoder:
         logits = out.logits[0]  # (T, V)
         return (logits[-1:] if last_only else logits).float()
 
+    def forward_greedy(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) -> (T,) argmax ids, on the device; appends T tokens."""
+        return self.forward(ids).argmax(dim=-1)
+
     def rollback(self, length: int) -> None:
         if not isinstance(length, int) or isinstance(length, bool):
             raise TypeError(f"rollback length must be an int, got {type(length).__name__}")

@@ -14,8 +14,11 @@ class KVCache:
 
     def __init__(self, n_layers, n_kv_heads, max_length, head_dim, device, dtype):
         shape = (n_layers, n_kv_heads, max_length, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layers, Hkv, S, hd)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Always inference tensors: a compiled step guards on that, so a cache made outside
+        # inference_mode would be a second graph.
+        with torch.inference_mode():
+            self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layers, Hkv, S, hd)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_length = max_length
         self.length = 0
 

@@ -35,12 +35,37 @@ def default_model_path() -> Path:
     )
 
 
-def load_model(path=None, device=None, dtype="float32") -> Model:
+def load_model(
+    path=None, device=None, dtype="auto", compile="auto", backend="specfast", **llama_kwargs
+):
     """A GGUF file or a HF checkpoint folder (config.json + *.safetensors) -> Model.
 
-    path=None loads the default model (SmolLM2-135M-Instruct). dtype: 'float32' or 'bfloat16'.
+    path=None loads the default model (SmolLM2-135M-Instruct). dtype "auto" picks by hardware:
+    bf16 on CUDA (fp16 without bf16), on CPU bf16 only with native bf16 (AVX512-BF16 or AMX),
+    else float32; "float32" | "bfloat16" | "float16" are honoured as given. `model.dtype` is
+    the dtype chosen. compile "auto" | "on" | "off": "auto" compiles the decode and verify
+    steps on CUDA (static shapes, CUDA graphs) and runs eager on CPU, where it measured faster.
+
+    backend="llama.cpp" returns a llama_cpp.Llama over the GGUF file instead (its own quantized
+    weights; dtype and compile are not used); extra keyword arguments (n_ctx, n_threads, ...)
+    go to Llama.
     """
-    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    if backend == "llama.cpp":
+        from specfast.llama_cpp import load_llama
+
+        return load_llama(path, device=device, **llama_kwargs)
+    if backend != "specfast":
+        raise ValueError(f'backend must be "specfast" or "llama.cpp", got {backend!r}')
+    if llama_kwargs:
+        raise TypeError(
+            f"load_model got unexpected arguments {sorted(llama_kwargs)}; extra keyword "
+            'arguments are for backend="llama.cpp"'
+        )
+    from .steps import resolve_compile
+
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    compiled = resolve_compile(compile, device)
     path = default_model_path() if path is None else Path(path)
     if path.is_dir():
         model = _load_hf_folder(path)
@@ -48,7 +73,8 @@ def load_model(path=None, device=None, dtype="float32") -> Model:
         model = _load_gguf(path)
     else:
         raise FileNotFoundError(f"no model at {path}: expected a GGUF file or a checkpoint folder")
-    return model.to(device=device, dtype=dtype)
+    model = model.to(device=device, dtype=dtype)
+    return model.compile_steps() if compiled else model
 
 
 def _build(config: ModelConfig, weights: dict[str, torch.Tensor], source: Path) -> Model:

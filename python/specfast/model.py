@@ -18,15 +18,28 @@ from .kv_cache import KVCache
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPES.update({"bf16": torch.bfloat16, "float": torch.float32})
+_DTYPES.update({"float16": torch.float16, "fp16": torch.float16, "half": torch.float16})
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
-def resolve_dtype(dtype) -> torch.dtype:
-    """'float32' | 'bfloat16' | torch.float32 | torch.bfloat16 -> torch.dtype, else ValueError."""
-    if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.bfloat16):
+def resolve_dtype(dtype, device=None) -> torch.dtype:
+    """'auto' | 'float32' | 'bfloat16' | 'float16' (or the torch dtype) -> torch.dtype.
+
+    "auto" picks by hardware (specfast.hardware.auto_dtype): bf16 on CUDA (fp16 without bf16),
+    and on CPU bf16 only where the CPU has native bf16, else float32.
+    """
+    if isinstance(dtype, torch.dtype) and dtype in set(_DTYPES.values()):
         return dtype
+    if dtype == "auto":
+        from .hardware import auto_dtype
+
+        return auto_dtype(resolve_device(device))
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"dtype must be 'float32' or 'bfloat16' (or the torch dtype), got {dtype!r}")
+    raise ValueError(
+        f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16' (or the torch dtype), "
+        f"got {dtype!r}"
+    )
 
 
 def resolve_device(device) -> torch.device:
@@ -175,6 +188,21 @@ class Model(nn.Module):
         self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
         self.prepack = True
         self.int8 = False  # see quantize_int8
+        self.compiled_step = None  # torch.compile'd forward_static (steps.compile_step)
+
+    def extra_repr(self) -> str:
+        step = "compiled" if self.compiled_step is not None else "eager"
+        return f"dtype={self.dtype}, device={self.device}, step={step}"
+
+    def compile_steps(
+        self, enabled: bool = True, mode: str | None = None, backend: str = "inductor"
+    ) -> Model:
+        """Decoders made from now on run decode and verify passes as compiled static-shape
+        steps (enabled=False: eager again). See specfast.steps. Returns self."""
+        from .steps import compile_step
+
+        self.compiled_step = compile_step(self, mode, backend) if enabled else None
+        return self
 
     @classmethod
     def from_config(cls, config: ModelConfig, seed: int = 0, device=None, dtype="float32"):
@@ -221,7 +249,11 @@ class Model(nn.Module):
             freqs = torch.outer(pos, rope_inv_freq(self.config)).float()  # (n, hd/2)
             emb = torch.cat([freqs, freqs], dim=-1)  # (n, hd), rotate-half layout
             # Computed in float32, then cast, as transformers does, so bf16 results agree.
-            cached = (emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype))
+            with torch.inference_mode():  # like the cache: one kind of tensor for the step
+                cached = (
+                    emb.cos().to(self.device, self.dtype),
+                    emb.sin().to(self.device, self.dtype),
+                )
             self._rope_cache[key] = cached
         return cached
 
@@ -313,11 +345,11 @@ class Model(nn.Module):
         is a fifth of a small model's work per token). `head` (e.g. an OutputRows) replaces the
         vocabulary projection: hidden (T, D) -> logits (T, S).
 
-        Writes the T new keys/values into the cache; does not move its length.
+        Writes the T new keys/values into the cache; does not move its length. Shapes follow the
+        context: the eager path, for prefill and for CPU decoding.
         """
         c = self.config
-        T, H, Hkv, hd = ids.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
-        g = H // Hkv
+        T, g = ids.shape[0], c.n_heads // c.n_kv_heads
         L = pos + T
         cos, sin = self.rope(L)
         cos, sin = cos[pos:L, None, :], sin[pos:L, None, :]  # (T, 1, hd)
@@ -327,8 +359,57 @@ class Model(nn.Module):
         if T > 1:
             mask = torch.ones(T, L, dtype=torch.bool, device=ids.device).tril_(pos)
             mask = mask.repeat(g, 1)  # (g*T, L)
+
+        def attend(i, q, k, v):  # q (Hkv, g*T, hd); k, v (Hkv, T, hd)
+            k_all, v_all = cache.write(i, pos, k, v)  # (Hkv, L, hd)
+            return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
         packed = self.packed_weights()
-        x = self.embed(ids)  # (T, D)
+        x = self._layers(self.embed(ids), cos, sin, attend, packed)
+        if last_only:
+            x = x[-1:]
+        return self._head(x, head, packed)
+
+    def forward_static(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same pass with every shape fixed, for torch.compile and CUDA graphs.
+
+        ids (B,) and positions (B,) on the device; k_cache, v_cache (n_layers, Hkv, C, hd) written
+        at `positions` (index_copy_, no host arithmetic); cos/sin tables (C, hd). Attention reads
+        all C slots and masks key j for query i unless j <= positions[i], so stale slots past the
+        live length never count and rollback stays one integer. Padding rows (positions C - 1)
+        write into a slot no live query sees. -> (logits (B, V), argmax ids (B,)).
+        """
+        c = self.config
+        g = c.n_heads // c.n_kv_heads
+        C = k_cache.shape[2]
+        cos, sin = cos_table[positions, None, :], sin_table[positions, None, :]  # (B, 1, hd)
+        slots = torch.arange(C, device=ids.device)
+        mask = (slots[None, :] <= positions[:, None]).repeat(g, 1)  # (g*B, C)
+
+        def attend(i, q, k, v):  # q (Hkv, g*B, hd); k, v (Hkv, B, hd)
+            k_cache[i].index_copy_(1, positions, k)
+            v_cache[i].index_copy_(1, positions, v)
+            return F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask)
+
+        # oneDNN-prepacked weights are opaque to the compiler; inductor lays out its own.
+        packed = None if torch.compiler.is_compiling() else self.packed_weights()
+        x = self._layers(self.embed(ids), cos, sin, attend, packed)
+        logits = self._head(x, None, packed)
+        return logits, logits.argmax(dim=-1)
+
+    def _layers(self, x, cos, sin, attend, packed) -> torch.Tensor:
+        """x (T, D) through every layer; `attend(i, q, k, v)` stores k, v and attends."""
+        c = self.config
+        T, H, Hkv, hd = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
+        g = H // Hkv
         for i, layer in enumerate(self.layers):
             pw = packed[i] if packed else (None,) * 4
             h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps)
@@ -338,18 +419,18 @@ class Model(nn.Module):
             x1, x2 = qk.chunk(2, dim=-1)
             qk = qk * cos + torch.cat([-x2, x1], dim=-1) * sin  # RoPE on q and k at once
             q, k = qk.split([H, Hkv], dim=1)  # (T, H, hd), (T, Hkv, hd)
-            k_all, v_all = cache.write(i, pos, k.transpose(0, 1), v.transpose(0, 1))  # (Hkv, L, hd)
             # (T, H, hd) -> (H, T, hd) -> (Hkv, g*T, hd): head h uses kv head h // g
             q = q.transpose(0, 1).reshape(Hkv, g * T, hd)
-            y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)  # (Hkv, g*T, hd)
+            y = attend(i, q, k.transpose(0, 1), v.transpose(0, 1))  # (Hkv, g*T, hd)
             y = y.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
             x = x + _linear(y, layer.wo.weight, pw[1])
             h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
             gate, up = _linear(h, layer.w_gate_up.weight, pw[2]).chunk(2, dim=-1)  # (T, F) each
             x = x + _linear(F.silu(gate) * up, layer.w_down.weight, pw[3])
-        if last_only:
-            x = x[-1:]
-        x = F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)
+        return x
+
+    def _head(self, x, head, packed) -> torch.Tensor:
+        x = F.rms_norm(x, (self.config.dim,), self.norm, self.config.norm_eps)
         if head is not None:
             return head(x)  # (T, S)
         return _linear(x, self.output_weight, packed[-1] if packed else None)  # (T, V)
@@ -403,6 +484,8 @@ class Decoder:
     """
 
     def __init__(self, model: Model, max_length: int):
+        from .steps import static_capacity
+
         if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         if max_length > model.max_context:
@@ -412,10 +495,13 @@ class Decoder:
         c = model.config
         self.model = model
         self.max_length = max_length
+        self.step = model.compiled_step
+        # A compiled step needs a fixed cache shape: a power-of-two capacity (steps.py).
+        capacity = max_length if self.step is None else static_capacity(max_length)
         self.cache = KVCache(
-            c.n_layers, c.n_kv_heads, max_length, c.head_dim, model.device, model.dtype
+            c.n_layers, c.n_kv_heads, capacity, c.head_dim, model.device, model.dtype
         )
-        model.rope(max_length)
+        model.rope(capacity)
 
     @property
     def length(self) -> int:
@@ -431,11 +517,45 @@ class Decoder:
         last position only, or over `head`'s tokens only; appends T tokens."""
         m = self.model
         check_ids(ids, m.device, m.vocab_size, self.cache.length, self.max_length)
+        if self._is_static(ids, last_only, head):
+            return self._static(ids)[0].float()
         T, pos = ids.shape[0], self.cache.length
         with torch.inference_mode():
             logits = m(ids.long(), self.cache, pos, last_only, head)
         self.cache.length = pos + T
         return logits.float()
+
+    def forward_greedy(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) -> (T,) the argmax token of each row, left on the device (computed inside
+        the compiled step when there is one); appends T tokens."""
+        m = self.model
+        check_ids(ids, m.device, m.vocab_size, self.cache.length, self.max_length)
+        if self._is_static(ids, False, None):
+            return self._static(ids)[1]
+        return self.forward(ids).argmax(dim=-1)
+
+    def _is_static(self, ids, last_only, head) -> bool:
+        from .steps import BUCKETS
+
+        return self.step is not None and not last_only and head is None and len(ids) <= BUCKETS[-1]
+
+    def _static(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled step over ids padded to a bucket -> (logits (T, V), argmax (T,))."""
+        from .steps import bucket
+
+        T, pos = ids.shape[0], self.cache.length
+        B, C = bucket(T), self.cache.k.shape[2]
+        cos, sin = self.model.rope(C)
+        with torch.inference_mode():  # inputs made here are inference tensors, like the cache
+            padded = torch.zeros(B, dtype=torch.long, device=ids.device)
+            padded[:T] = ids
+            # Padding rows sit at slot C - 1, which no live query sees. No host arithmetic on
+            # device values, so no sync.
+            positions = torch.arange(pos, pos + B, device=ids.device).clamp_max_(C - 1)
+            logits, top = self.step(padded, positions, self.cache.k, self.cache.v, cos[:C], sin[:C])
+        self.cache.length = pos + T
+        # CUDA graphs reuse their output buffers on the next replay: hand out copies.
+        return logits[:T].clone(), top[:T].clone()
 
     def rollback(self, length: int) -> None:
         """Forget everything after the first `length` tokens. O(1)."""

@@ -1,18 +1,29 @@
-"""What generate() needs to know of a model, whichever kind it is: a specfast Model or a
-transformers causal LM. One place dispatches on the type, so the loop never does."""
+"""What generate() needs to know of a model, whichever kind it is: a specfast Model, a
+transformers causal LM or a llama_cpp.Llama. One place dispatches on the type, so the loop
+never does."""
 
 from __future__ import annotations
 
 import torch
 
-from specfast.hf import hf_vocab_and_context, is_hf_model, make_decoder
+from specfast import hf
+from specfast.hf import hf_vocab_and_context, is_hf_model
+from specfast.llama_cpp import LlamaDecoder, LlamaTokenizer, is_llama, llama_eos_ids, llama_facts
 from specfast.model import Model
 
-__all__ = ["is_model", "make_decoder", "model_facts", "tokenizer_vocab"]
+__all__ = [
+    "context_hint",
+    "is_model",
+    "make_decoder",
+    "model_eos_ids",
+    "model_facts",
+    "model_tokenizer",
+    "tokenizer_vocab",
+]
 
 
 def is_model(obj) -> bool:
-    return isinstance(obj, Model) or is_hf_model(obj)
+    return isinstance(obj, Model) or is_hf_model(obj) or is_llama(obj)
 
 
 def model_facts(model) -> tuple[int, int, torch.device]:
@@ -21,12 +32,40 @@ def model_facts(model) -> tuple[int, int, torch.device]:
         return model.vocab_size, model.max_context, model.device
     if is_hf_model(model):
         return (*hf_vocab_and_context(model), model.device)
+    if is_llama(model):
+        return llama_facts(model)
     raise TypeError(
-        "expected a specfast model (load_model) or a transformers causal LM, "
+        "expected a specfast model (load_model), a transformers causal LM or a llama_cpp.Llama, "
         f"got {type(model).__name__}"
     )
 
 
+def make_decoder(model, max_length: int | None = None):
+    """A decoder (forward / rollback / length) over one sequence of `model`."""
+    if is_llama(model):
+        return LlamaDecoder(model, max_length)
+    return hf.make_decoder(model, max_length)
+
+
+def model_tokenizer(model):
+    """The model's tokenizer (encode / decode(skip_special_tokens=)), or None."""
+    if is_llama(model):
+        return LlamaTokenizer(model)  # Llama.tokenizer is a method, not a tokenizer
+    return getattr(model, "tokenizer", None)
+
+
+def model_eos_ids(model) -> list[int] | None:
+    """The model's own end-of-generation ids, where it knows them."""
+    if is_llama(model):
+        return llama_eos_ids(model)
+    return getattr(model, "eos_token_ids", None)
+
+
+def context_hint(model) -> str:
+    """Which setting sets the context, for error messages."""
+    return "; build the Llama with a larger n_ctx" if is_llama(model) else ""
+
+
 def tokenizer_vocab(model) -> dict[str, int] | None:
-    tokenizer = getattr(model, "tokenizer", None)
+    tokenizer = model_tokenizer(model)
     return tokenizer.get_vocab() if tokenizer is not None else None

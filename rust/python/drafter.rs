@@ -12,6 +12,8 @@
 
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use std::path::PathBuf;
+
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyList, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
@@ -320,6 +322,28 @@ impl PyNgramDrafter {
                 self.lock(py).add_document(ids)?;
             }
             Ok(())
+        })
+    }
+
+    /// Saves the configuration and corpus documents (not the live sequence) to `path`,
+    /// atomically: a crash mid-save leaves any previous file whole. `fingerprint` names the
+    /// tokenizer, so that `load` can refuse a corpus built with another one.
+    #[pyo3(signature = (path, *, fingerprint=""))]
+    #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a path argument as an owned PathBuf
+    fn save(&self, py: Python<'_>, path: PathBuf, fingerprint: &str) -> PyResult<()> {
+        self.detached(py, |d| d.save_file(&path, fingerprint))?;
+        Ok(())
+    }
+
+    /// Loads a drafter saved by `save`, with an empty live sequence. With `fingerprint`, a file
+    /// saved with another fingerprint is refused (ValueError).
+    #[staticmethod]
+    #[pyo3(signature = (path, *, fingerprint=None))]
+    #[allow(clippy::needless_pass_by_value)] // as in `save`
+    fn load(py: Python<'_>, path: PathBuf, fingerprint: Option<&str>) -> PyResult<Self> {
+        let inner = py.detach(|| Drafter::load_file(&path, fingerprint))?;
+        Ok(PyNgramDrafter {
+            inner: Mutex::new(inner),
         })
     }
 

@@ -1,0 +1,233 @@
+"""llama.cpp as the target (or the draft): a `llama_cpp.Llama` behind the decoder protocol.
+
+`LlamaDecoder` drives one sequence through llama.cpp's batch API: one `llama_decode` over
+[last, d1..dk] with logits asked for only at the rows the loop reads, and a rollback that is one
+`llama_memory_seq_rm` call. Threads, context size and batch size are whatever the `Llama` was
+built with. llama_cpp is imported lazily, only when a Llama is actually used.
+
+The decoder owns the Llama's memory while it lives: it clears it on creation and leaves
+`Llama.n_tokens` at 0, so the Llama's own `generate()` afterwards re-evaluates its prompt instead
+of trusting a cache that specfast has changed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specfast.model import check_ids
+
+_CPU = torch.device("cpu")
+# What llama_decode's return codes mean (llama.h).
+_DECODE_ERRORS = {
+    1: "no KV slot for the batch: build the Llama with a larger n_ctx",
+    2: "aborted",
+    -1: "invalid input batch",
+}
+
+
+def is_llama(obj) -> bool:
+    """True for a llama_cpp.Llama (or a subclass), checked without importing llama_cpp."""
+    return any(
+        c.__name__ == "Llama" and c.__module__.startswith("llama_cpp") for c in type(obj).__mro__
+    )
+
+
+def llama_facts(llama) -> tuple[int, int, torch.device]:
+    """(vocabulary size, n_ctx, device) of a Llama; llama.cpp's logits come back to the CPU."""
+    return int(llama.n_vocab()), int(llama.n_ctx()), _CPU
+
+
+def load_llama(path=None, device=None, **kwargs):
+    """A GGUF file -> llama_cpp.Llama; keyword arguments (n_ctx, n_threads, ...) go to Llama.
+
+    Defaults: n_ctx=4096, verbose=False. path=None is the default model.
+    """
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        raise ImportError(
+            'backend="llama.cpp" needs llama-cpp-python: pip install "specfast[llama]"'
+        ) from e
+    from specfast.loading import default_model_path
+
+    if device is not None and str(device) != "cpu":
+        raise ValueError(
+            f'backend="llama.cpp" runs on the CPU; device must be None or "cpu", got {device!r}'
+        )
+    path = default_model_path() if path is None else Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}: llama.cpp loads single GGUF files")
+    kwargs.setdefault("n_ctx", 4096)
+    kwargs.setdefault("verbose", False)
+    return Llama(model_path=str(path), **kwargs)
+
+
+class LlamaDecoder:
+    """One sequence (seq 0) over a Llama's context.
+
+    forward(ids (T,)) -> float32 logits (T, V), or (1, V) with last_only, appending T tokens,
+    exactly as `specfast.model.Decoder`. rollback(n) removes the cache entries past n.
+    """
+
+    def __init__(self, llama, max_length: int | None = None):
+        import llama_cpp
+
+        if not is_llama(llama):
+            raise TypeError(f"expected a llama_cpp.Llama, got {type(llama).__name__}")
+        self.llama = llama
+        self._lib = llama_cpp
+        self.vocab_size, self.max_context, _ = llama_facts(llama)
+        max_length = self.max_context if max_length is None else max_length
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
+            raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+        if max_length > self.max_context:
+            raise ValueError(
+                f"{max_length} tokens do not fit the Llama's context of {self.max_context}: "
+                f"build it with a larger n_ctx (Llama(..., n_ctx={max_length}) or more)"
+            )
+        self.max_length = max_length
+        self._ctx = llama.ctx
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        if self._memory is None:
+            raise ValueError("this Llama's context has no memory (KV cache); specfast needs one")
+        self._n_batch = int(llama.n_batch)
+        self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
+        self._finalizer = weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
+        self._length = 0
+        # Take the context over: whatever the Llama (or an earlier decoder) left goes.
+        llama_cpp.llama_memory_clear(self._memory, False)
+        llama.n_tokens = 0
+        llama._specfast_owner = weakref.ref(self)
+
+    @property
+    def device(self) -> torch.device:
+        return _CPU
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def _check_owner(self) -> None:
+        owner = getattr(self.llama, "_specfast_owner", None)
+        if owner is None or owner() is not self or self.llama.n_tokens != 0:
+            raise RuntimeError(
+                "this Llama's cache was used by something else since this decoder was made "
+                "(a target and its draft must be two Llama objects)"
+            )
+
+    def forward_greedy(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) -> (T,) argmax ids; appends T tokens."""
+        return self.forward(ids).argmax(dim=-1)
+
+    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length)
+        self._check_owner()
+        tokens = ids.tolist()
+        T, start, V = len(tokens), self._length, self.vocab_size
+        out = torch.empty((1 if last_only else T, V), dtype=torch.float32)  # (rows, V)
+        row = 0
+        try:
+            for lo in range(0, T, self._n_batch):  # llama_decode takes at most n_batch tokens
+                chunk = tokens[lo : lo + self._n_batch]
+                n_out = int(lo + len(chunk) == T) if last_only else len(chunk)
+                self._decode(chunk, self._length, n_out)
+                self._length += len(chunk)
+                if n_out:
+                    ptr = self._lib.llama_get_logits(self._ctx)
+                    logits = np.ctypeslib.as_array(ptr, shape=(n_out, V))  # llama's own buffer
+                    out[row : row + n_out] = torch.from_numpy(logits)  # copied: decode reuses it
+                    row += n_out
+        except BaseException:
+            # Leave the sequence as it was before this call, whatever part of it went in.
+            self._lib.llama_memory_seq_rm(self._memory, 0, start, -1)
+            self._length = start
+            raise
+        return out
+
+    def _decode(self, chunk: list[int], pos: int, n_out: int) -> None:
+        """One llama_decode of `chunk` at `pos`, with logits for its last n_out rows."""
+        b = self._batch
+        first_out = len(chunk) - n_out
+        for i, t in enumerate(chunk):
+            b.token[i] = t
+            b.pos[i] = pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = i >= first_out
+        b.n_tokens = len(chunk)
+        rc = self._lib.llama_decode(self._ctx, b)
+        if rc != 0:
+            why = _DECODE_ERRORS.get(rc, "fatal error")
+            raise RuntimeError(f"llama_decode returned {rc} ({why}) at position {pos}")
+
+    def rollback(self, length: int) -> None:
+        """Forget everything after the first `length` tokens: one llama_memory_seq_rm call."""
+        if not isinstance(length, int) or isinstance(length, bool):
+            raise TypeError(f"rollback length must be an int, got {type(length).__name__}")
+        if not 0 <= length <= self._length:
+            raise ValueError(f"can only roll back to a length in [0, {self._length}], got {length}")
+        if length < self._length:
+            self._check_owner()
+            if not self._lib.llama_memory_seq_rm(self._memory, 0, length, -1):
+                raise RuntimeError(
+                    f"llama.cpp could not remove positions {length}.. of the sequence "
+                    "(a recurrent model cannot roll back part of its state)"
+                )
+        self._length = length
+
+    def reset(self) -> None:
+        self.rollback(0)
+
+
+# ----------------------------------------------------------------------------
+# tokenizer and EOS: what generate() reads of a model
+
+
+class LlamaTokenizer:
+    """A Llama's own tokenizer with the two methods generate() uses, plus get_vocab()."""
+
+    def __init__(self, llama):
+        self.llama = llama
+
+    def encode(self, text: str) -> list[int]:
+        # add_bos: llama.cpp adds BOS only where the GGUF says the model wants one; special:
+        # chat-template markers such as <|im_start|> become their control tokens, as in HF.
+        return list(self.llama.tokenize(text.encode("utf-8"), add_bos=True, special=True))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = self.llama.detokenize([int(t) for t in ids], special=not skip_special_tokens)
+        return data.decode("utf-8", errors="replace")
+
+    def get_vocab(self) -> dict[str, int]:
+        """token text -> id, as the GGUF spells the tokens (cached on the Llama)."""
+        cached = getattr(self.llama, "_specfast_vocab", None)
+        if cached is None:
+            lib = _lib()
+            vocab = lib.llama_model_get_vocab(self.llama.model)
+            cached = {
+                lib.llama_vocab_get_text(vocab, i).decode("utf-8", errors="replace"): i
+                for i in range(self.llama.n_vocab())
+            }
+            self.llama._specfast_vocab = cached
+        return cached
+
+
+def llama_eos_ids(llama) -> list[int]:
+    """Every end-of-generation id of the vocabulary (EOS, EOT, <|im_end|>, ...), cached."""
+    cached = getattr(llama, "_specfast_eos", None)
+    if cached is None:
+        lib = _lib()
+        vocab = lib.llama_model_get_vocab(llama.model)
+        cached = [i for i in range(llama.n_vocab()) if lib.llama_vocab_is_eog(vocab, i)]
+        llama._specfast_eos = cached
+    return list(cached)
+
+
+def _lib():
+    import llama_cpp
+
+    return llama_cpp

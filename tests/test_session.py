@@ -1,0 +1,392 @@
+"""Session: a conversation keeps the KV cache and the drafter, and says exactly what generate()
+says on the full history; only new tokens are prefilled; an interrupted turn is wholly absent."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import specfast
+from specfast.model import Decoder, Model, ModelConfig
+from specfast.session import Session
+
+CONFIG = ModelConfig(
+    vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_context=512
+)  # fmt: skip
+
+
+def tiny(seed: int = 0) -> Model:
+    return Model.from_config(CONFIG, seed=seed)
+
+
+def messages(n_turns: int = 5, seed: int = 0) -> list[list[int]]:
+    """Token-id turns that repeat each other, so the n-gram drafter finds matches."""
+    rng = random.Random(seed)
+    base = [rng.randrange(CONFIG.vocab_size) for _ in range(10)]
+    return [base[: 4 + i] + [rng.randrange(CONFIG.vocab_size) for _ in range(3)] + base
+            for i in range(n_turns)]  # fmt: skip
+
+
+def plain(model, ids, n, **kw) -> list[int]:
+    return specfast.generate(model, ids, max_new_tokens=n, drafter=None, **kw).token_ids
+
+
+def context_of(session: Session, out) -> list[int]:
+    """The full history the turn continued: the conversation minus its reply."""
+    ids = session.token_ids
+    return ids[: len(ids) - len(out.token_ids)]
+
+
+# ----------------------------------------------------------------------------
+# greedy: a session says what generate() says on the full history
+
+
+@pytest.mark.parametrize("drafter,k", [(None, "auto"), ("ngram", "auto"), ("ngram", 4)])
+def test_session_greedy_equals_generate_on_the_full_history(drafter, k):
+    model = tiny()
+    s = Session(model, drafter=drafter, num_speculative_tokens=k, max_new_tokens=20)
+    accepted = 0
+    for i, msg in enumerate(messages()):
+        out = s.send(msg, ignore_eos=True)
+        history = context_of(s, out)
+        assert out.token_ids == plain(model, history, 20, ignore_eos=True)
+        # Turn n prefills its message plus the previous reply's last token, nothing more.
+        assert out.stats.prefill_tokens == (len(msg) + 1 if i else len(msg))
+        assert out.stats.reused_tokens == len(history) - out.stats.prefill_tokens
+        accepted += out.stats.accepted_tokens
+    assert len(s.history) == 5
+    assert (accepted > 0) == (drafter is not None)
+
+
+def test_session_greedy_equals_generate_after_rewind_and_reset():
+    model = tiny()
+    s = Session(model, max_new_tokens=16, ignore_eos=True)
+    msgs = messages(6, seed=3)
+    for msg in msgs[:4]:
+        s.send(msg)
+    before = s.token_ids
+    s.rewind(2)
+    assert len(s.history) == 2
+    assert s.token_ids == before[: s.history[-1].start + len(s.history[-1].prompt_ids) + 16]
+    for msg in msgs[4:]:
+        out = s.send(msg)
+        assert out.token_ids == plain(model, context_of(s, out), 16, ignore_eos=True)
+    s.reset()
+    assert s.history == [] and s.token_ids == [] and s.cached_tokens == 0
+    out = s.send(msgs[0])
+    assert out.token_ids == plain(model, msgs[0], 16, ignore_eos=True)
+    assert out.stats.reused_tokens == 0
+
+
+def test_a_draft_model_session_equals_generate_after_rewind():
+    target, draft = tiny(0), tiny(1)
+    s = Session(target, drafter=draft, num_speculative_tokens=3, max_new_tokens=16, ignore_eos=True)
+    msgs = messages(5, seed=4)
+    for msg in msgs[:3]:
+        s.send(msg)
+    s.rewind(1)
+    for msg in msgs[3:]:
+        out = s.send(msg)
+        assert out.token_ids == plain(target, context_of(s, out), 16, ignore_eos=True)
+        assert out.stats.draft_tokens > 0
+
+
+def test_sampled_turns_equal_generate_with_the_same_seed():
+    # One-hot drafts draw every position with its own uniform, so a seed gives one text.
+    model = tiny()
+    s = Session(model, temperature=0.8, top_k=20, max_new_tokens=16, ignore_eos=True)
+    for i, msg in enumerate(messages(4, seed=5)):
+        out = s.send(msg, seed=100 + i)
+        want = specfast.generate(
+            model, context_of(s, out), max_new_tokens=16, temperature=0.8, top_k=20,
+            seed=100 + i, drafter=None, ignore_eos=True,
+        )  # fmt: skip
+        assert out.token_ids == want.token_ids
+
+
+def test_fork_continues_independently():
+    model = tiny()
+    s = Session(model, max_new_tokens=12, ignore_eos=True)
+    msgs = messages(4, seed=6)
+    s.send(msgs[0])
+    s.send(msgs[1])
+    f = s.fork()
+    a, b = s.send(msgs[2]), f.send(msgs[3])
+    assert a.token_ids == plain(model, context_of(s, a), 12, ignore_eos=True)
+    assert b.token_ids == plain(model, context_of(f, b), 12, ignore_eos=True)
+    assert b.stats.reused_tokens == a.stats.reused_tokens > 0  # the fork kept the cache
+    assert len(s.history) == len(f.history) == 3
+
+
+# ----------------------------------------------------------------------------
+# prefill covers only the new tokens
+
+
+def prefill_sizes(monkeypatch, drop_cache: bool) -> list[tuple[int, int]]:
+    """(tokens the target ran before each turn's first new token, the turn's new tokens)."""
+    sizes: list[int] = []
+    real_forward = Decoder.forward
+
+    def forward(self, ids, last_only=False, head=None):
+        if last_only:  # the target's prefill is the only last_only pass of a turn
+            sizes.append(ids.shape[0])
+        return real_forward(self, ids, last_only, head)
+
+    monkeypatch.setattr(Decoder, "forward", forward)
+    if drop_cache:  # the bug: a session that re-prefills the whole history every turn
+        monkeypatch.setattr(Session, "_reusable", lambda self, ids, keep: 0)
+    model = tiny()
+    s = Session(model, drafter=None, max_new_tokens=8, ignore_eos=True)
+    new = []
+    for msg in messages(4, seed=7):
+        before = len(s.token_ids)
+        out = s.send(msg)
+        assert out.token_ids == plain(model, context_of(s, out), 8, ignore_eos=True)
+        new.append(len(context_of(s, out)) - max(before - 1, 0))
+        sizes.append(-1)  # a marker after the reference run's prefill
+    turns = [x for i, x in enumerate(sizes) if i % 3 == 0]  # session, reference, marker
+    return list(zip(turns, new, strict=True))
+
+
+def test_prefill_covers_only_the_new_tokens(monkeypatch):
+    pairs = prefill_sizes(monkeypatch, drop_cache=False)
+    assert all(ran == new for ran, new in pairs), pairs
+
+
+def test_negative_control_a_session_that_drops_its_cache_is_caught(monkeypatch):
+    pairs = prefill_sizes(monkeypatch, drop_cache=True)
+    assert not all(ran == new for ran, new in pairs)
+
+
+def test_generate_is_a_one_turn_session_in_its_stats():
+    model = tiny()
+    out = specfast.generate(model, messages()[0], max_new_tokens=4)
+    assert out.stats.prefill_tokens == len(messages()[0]) and out.stats.reused_tokens == 0
+    d = out.stats.as_dict()
+    assert d["prefill_tokens"] == len(messages()[0]) and d["reused_tokens"] == 0
+
+
+# ----------------------------------------------------------------------------
+# interrupts: the turn is wholly absent
+
+
+class Boom(Exception):
+    pass
+
+
+def interrupted_then_resent(exc: type[BaseException], restore: bool, monkeypatch):
+    """Runs 2 turns, interrupts the 3rd from its streamer, then sends the 3rd again. Returns
+    (was the turn wholly absent?, did the re-sent turn equal a clean session's?)."""
+    if not restore:  # the bug: an interrupted turn leaves its tokens in cache and drafter
+        monkeypatch.setattr(Session, "_restore", lambda self, *a: None)
+    model = tiny()
+    msgs = messages(3, seed=8)
+    s = Session(model, max_new_tokens=16, ignore_eos=True)
+    clean = Session(model, max_new_tokens=16, ignore_eos=True)
+    for msg in msgs[:2]:
+        s.send(msg)
+        clean.send(msg)
+    before = s.token_ids
+    calls = []
+
+    class Streamer:
+        def put(self, value):
+            calls.append(value)
+            if len(calls) == 3:  # the prompt, the first token, then one round
+                raise exc("stop")
+
+        def end(self):
+            pass
+
+    with pytest.raises(exc):
+        s.send(msgs[2], streamer=Streamer())
+    # Absent: no turn, no tokens, and neither the cache nor the drafter holds any of it.
+    absent = (
+        len(s.history) == 2
+        and s.token_ids == before
+        and s.cached_tokens <= len(before) - 1
+        and len(s._drafter.inner) == len(before)
+    )
+    again, want = s.send(msgs[2]), clean.send(msgs[2])
+    same = again.token_ids == want.token_ids
+    return absent, same and again.stats.reused_tokens == want.stats.reused_tokens
+
+
+@pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
+def test_an_interrupted_turn_is_wholly_absent(exc, monkeypatch):
+    assert interrupted_then_resent(exc, True, monkeypatch) == (True, True)
+
+
+def test_negative_control_an_interrupt_without_restore_is_caught(monkeypatch):
+    assert interrupted_then_resent(Boom, False, monkeypatch)[0] is False
+
+
+# ----------------------------------------------------------------------------
+# bad input
+
+
+def test_outgrowing_the_context_is_a_clear_error():
+    s = Session(tiny(), max_length=40, max_new_tokens=8, ignore_eos=True)
+    s.send(messages()[0])
+    with pytest.raises(ValueError, match="max_length of 40"):
+        s.send(messages()[1])
+    assert len(s.history) == 1  # the refused turn left nothing behind
+    s.rewind(1)
+    s.send(messages()[1])
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda s: s.send([1, 2], num_speculative_tokens=4), TypeError, "fixed when"),
+        (lambda s: s.send([1, 2], nonsense=1), TypeError, "unknown send"),
+        (lambda s: s.send([]), ValueError, "empty"),
+        (lambda s: s.send([1, 999]), ValueError, r"\[0, 96\)"),
+        (lambda s: s.send("hi"), ValueError, "tokenizer"),
+        (lambda s: s.rewind(1), ValueError, r"\[0, 0\]"),
+        (lambda s: s.rewind(True), TypeError, "int"),
+        (lambda s: s.send([1, 2], temperature=-1), ValueError, "temperature"),
+    ],
+)
+def test_bad_input_is_refused(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(Session(tiny(), max_new_tokens=4))
+
+
+def test_bad_session_options_are_refused():
+    with pytest.raises(TypeError, match="unknown Session option"):
+        Session(tiny(), nonsense=1)
+    with pytest.raises(ValueError, match="max_length"):
+        Session(tiny(), max_length=10_000)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Session(tiny(), num_speculative_tokens=0)
+
+
+# ----------------------------------------------------------------------------
+# str turns: the chat template, on SmolLM2
+
+
+@pytest.mark.smollm
+def test_smollm_str_turns_equal_generate_and_reuse_the_cache(smollm):
+    s = Session(smollm, system="You are a terse assistant.", max_new_tokens=24)
+    asks = [
+        "Write a Python function add(a, b) that returns a + b.",
+        "Rename it to plus.",
+        "Add a docstring.",
+        "Now add type hints.",
+    ]
+    before: list[int] = []
+    for i, ask in enumerate(asks):
+        out = s.send(ask)
+        history = context_of(s, out)
+        assert out.token_ids == plain(smollm, history, 24)
+        if i:  # the whole earlier conversation came from the cache
+            assert out.stats.reused_tokens == len(before) - 1
+        before = s.token_ids
+    assert s.messages()[-1]["content"] == s.history[-1].reply_text
+
+
+# ----------------------------------------------------------------------------
+# specfast chat, fed from stdin
+
+from test_cli import tiny_model_dir  # noqa: E402,F401  (the fixture: a tiny HF folder)
+
+
+def test_chat_streams_replies_and_obeys_commands(tiny_model_dir, monkeypatch, capsys):  # noqa: F811
+    import io
+
+    from specfast.cli import main
+
+    lines = ["hello there", "/stats", "/rewind", "/rewind 5", "hello there", "again", "/bogus",
+             "/reset", "/quit", "never sent"]  # fmt: skip
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    argv = [
+        "chat",
+        "--model",
+        str(tiny_model_dir),
+        "--max-new-tokens",
+        "6",
+        "--system",
+        "Be brief.",
+    ]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+
+    model = specfast.load_model(tiny_model_dir)
+    s = Session(model, system="Be brief.", max_new_tokens=6)
+    first = s.send("hello there").text
+    second = s.send("again").text
+    # "hello there" twice (the first was rewound), then "again" on top of the second.
+    assert out == f"{first}\n{first}\n{second}\n"
+    assert "prefill" in err and "reused" in err
+    assert "rewound 1 turn(s); 0 left" in err
+    assert "n_turns must be in [0, 0]" in err
+    assert "unknown command '/bogus'" in err and "conversation reset" in err
+
+
+# ----------------------------------------------------------------------------
+# a persistent corpus: each finished turn is saved; a later session drafts from it
+
+
+def test_a_saved_corpus_is_loaded_and_drafts_more_with_the_same_output(tmp_path):
+    model = tiny()
+    path = tmp_path / "chat.corpus"
+    msgs = messages(4, seed=9)
+    first = Session(model, corpus=path, max_new_tokens=24, ignore_eos=True)
+    for msg in msgs:
+        first.send(msg)
+        assert path.exists()
+        assert specfast.NgramDrafter.load(path).corpus_tokens == len(first.token_ids)
+    # A new conversation that starts like the old one: the corpus knows what comes.
+    loaded = Session(model, corpus=path, max_new_tokens=24, ignore_eos=True)
+    fresh = Session(model, max_new_tokens=24, ignore_eos=True)
+    for i, msg in enumerate(msgs[:2]):
+        a, b = loaded.send(msg), fresh.send(msg)
+        assert (
+            a.token_ids == b.token_ids == plain(model, context_of(loaded, a), 24, ignore_eos=True)
+        )
+        if i == 0:
+            assert a.stats.accepted_tokens > b.stats.accepted_tokens
+            assert a.stats.target_passes < b.stats.target_passes
+
+
+def test_a_corpus_of_another_vocabulary_is_refused(tmp_path):
+    path = tmp_path / "chat.corpus"
+    Session(tiny(), corpus=path, max_new_tokens=4).send([1, 2, 3])
+    other = Model.from_config(ModelConfig(vocab_size=80, dim=32, n_layers=1, n_heads=2), seed=0)
+    with pytest.raises(ValueError, match="fingerprint"):
+        Session(other, corpus=path)
+    with pytest.raises(ValueError, match="corpus"):
+        Session(tiny(), drafter=None, corpus=path)
+
+
+def test_generate_cli_corpus_grows_and_drafts(tiny_model_dir, tmp_path, capsys):  # noqa: F811
+    from specfast.cli import main
+
+    path = tmp_path / "cli.corpus"
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "abc abc abc",
+            "--max-new-tokens", "12", "--corpus", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    n = specfast.NgramDrafter.load(path).corpus_tokens
+    assert n > 12
+    assert main(argv) == 0
+    assert specfast.NgramDrafter.load(path).corpus_tokens == 2 * n
+    out = capsys.readouterr().out  # the same text twice: the corpus changes speed, not output
+    assert out and out[: len(out) // 2] == out[len(out) // 2 :]
+
+
+def test_a_transformers_target_session_equals_generate_and_forks():
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model
+
+    hf = make_hf_model("qwen2-bias")
+    s = Session(hf, max_new_tokens=10, ignore_eos=True)
+    msgs = [[5, 9, 17, 5, 9, 17], [5, 9, 30, 31], [17, 5, 9]]
+    s.send(msgs[0])
+    f = s.fork()
+    for session in (s, f):
+        for msg in msgs[1:]:
+            out = session.send(msg)
+            assert out.token_ids == plain(hf, context_of(session, out), 10, ignore_eos=True)
+            assert out.stats.reused_tokens > 0
