@@ -149,3 +149,23 @@ def test_generate_on_one_model_from_four_threads():
 
     assert _run_threads(work, n=4) == []
     assert all(v == expected for v in got.values())
+
+
+def test_save_while_other_threads_add_documents(tmp_path):
+    # save() runs detached under the lock: every file written mid-race holds whole documents.
+    d = NgramDrafter()
+    doc = (np.arange(CHUNK, dtype=np.uint32) * 7) % 1000
+
+    def work(i):
+        for j in range(3):
+            if i % 2:
+                d.add_document(doc)
+            else:
+                d.save(tmp_path / f"c{i}-{j}.bin")
+
+    assert _run_threads(work) == []
+    files = sorted(tmp_path.glob("*.bin"))
+    assert len(files) == THREADS // 2 * 3
+    for f in files:
+        assert NgramDrafter.load(f).corpus_tokens % CHUNK == 0
+    assert d.corpus_tokens == THREADS // 2 * 3 * CHUNK
