@@ -38,17 +38,27 @@ def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _libc():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018  (glibc only)
+        return libc
+    except (OSError, AttributeError):
+        return None  # not glibc: RSS is noisier, the slope still holds over long runs
+
+
+_LIBC = _libc()  # loaded once: a CDLL per sample would itself grow the Python heap
+
+
 def settle() -> None:
     """Collects garbage and hands freed heap pages back to the OS (glibc's malloc_trim), so RSS
     shows what is live rather than what the allocator kept after its thresholds moved: without
     it RSS rises in one-off steps of a few MB that look like a slope over a short run."""
     gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: RSS is noisier, the slope still holds over long runs
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 def cuda_mb() -> float | None:

@@ -32,7 +32,7 @@ from hostile_files import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-CASES = 150
+CASES = 250
 FUZZ = settings(
     max_examples=CASES,
     deadline=None,

@@ -46,8 +46,11 @@ def models():
 
 
 CONFIGS = {
-    "greedy-ngram": dict(drafter="ngram"),
-    "sampled-ngram": dict(drafter="ngram", temperature=0.9, seed=7),
+    # Fixed k where the point counts proposals: "auto" k proposes only when measured timings say
+    # it pays, so on a loaded machine the n-th proposal may never come.
+    "greedy-ngram": dict(drafter="ngram", num_speculative_tokens=4),
+    "sampled-ngram": dict(drafter="ngram", num_speculative_tokens=4, temperature=0.9, seed=7),
+    "auto-ngram": dict(drafter="ngram"),
     # A fixed k: with "auto" k the random draft model is soon switched off as not paying.
     "greedy-draft": dict(drafter="draft", num_speculative_tokens=3),
     "sampled-draft": dict(drafter="draft", num_speculative_tokens=3, temperature=0.9, seed=7),
@@ -160,6 +163,8 @@ def test_interrupt_then_fresh_output(models, monkeypatch, name, point, n):
             kw["tokenizer"] = _ByteTokenizer()
         elif kw["drafter"] is None:
             pytest.skip("plain decoding has no drafter to interrupt")
+        elif name == "auto-ngram" and point == "draft":
+            pytest.skip("auto k's proposals follow wall-clock timings")
         elif kw["drafter"] == "ngram":
             wrapped = _Wrapped(NgramDrafter())
             method = "propose" if point == "draft" else "extend"
@@ -227,7 +232,7 @@ def test_owned_drafter_is_consistent_after_a_streamer_exception(models, n):
     # And the drafter keeps working: the next call's output is the model's own.
     d.reset()
     out = specfast.generate(model, PROMPT, max_new_tokens=NEW, ignore_eos=True, drafter=d)
-    assert out.token_ids == _fresh(models, "greedy-ngram")
+    assert out.token_ids == _fresh(models, "auto-ngram")
 
 
 def test_consistency_check_catches_a_torn_drafter(models):
@@ -281,7 +286,7 @@ def test_negative_control_state_reset_only_on_success(models, monkeypatch):
     import specfast.runtime
 
     model, _ = models
-    fresh = _fresh(models, "greedy-ngram")
+    fresh = _fresh(models, "auto-ngram")
     real = specfast.runtime.make_decoder
     kept = {}
 

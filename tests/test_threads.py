@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 import specfast
 from specfast import NgramDrafter
@@ -18,6 +19,15 @@ from specfast.model import Model, ModelConfig
 
 THREADS = 8
 CHUNK = 5000  # above the 4096 tokens past which extend releases the GIL
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Several generate() threads on 2 cores: torch's own intra-op threads would only oversubscribe.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _run_threads(target, n=THREADS):
@@ -139,3 +149,23 @@ def test_generate_on_one_model_from_four_threads():
 
     assert _run_threads(work, n=4) == []
     assert all(v == expected for v in got.values())
+
+
+def test_save_while_other_threads_add_documents(tmp_path):
+    # save() runs detached under the lock: every file written mid-race holds whole documents.
+    d = NgramDrafter()
+    doc = (np.arange(CHUNK, dtype=np.uint32) * 7) % 1000
+
+    def work(i):
+        for j in range(3):
+            if i % 2:
+                d.add_document(doc)
+            else:
+                d.save(tmp_path / f"c{i}-{j}.bin")
+
+    assert _run_threads(work) == []
+    files = sorted(tmp_path.glob("*.bin"))
+    assert len(files) == THREADS // 2 * 3
+    for f in files:
+        assert NgramDrafter.load(f).corpus_tokens % CHUNK == 0
+    assert d.corpus_tokens == THREADS // 2 * 3 * CHUNK

@@ -20,6 +20,8 @@ a draft depends only on the draft side, never on the target's verdict.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -272,8 +274,18 @@ def warn_if_draft_larger(target, draft) -> None:
             f"the draft model ({n_draft:,} parameters) is larger than the target "
             f"({n_target:,}): output stays exact, but drafting will cost more than it saves; "
             "did you swap them?",
-            stacklevel=4,  # generate()'s caller
+            stacklevel=_caller_stacklevel(),
         )
+
+
+def _caller_stacklevel() -> int:
+    """The warnings stacklevel of the first frame outside specfast, so a warning points at the
+    user's line however deep inside the package it was raised."""
+    package = os.path.dirname(__file__)
+    frame, level = sys._getframe(1), 1  # the function that warns
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class CombinedDrafter:
