@@ -76,7 +76,7 @@ def test_help_lists_the_options(capsys):
         (["generate", "--prompt", "hi", "--top-k", "0"], "--top-k: must be >= 1"),
         (["generate", "--prompt", "hi", "-k", "0"], "positive integer or 'auto'"),
         (["generate", "--prompt", "hi", "--max-new-tokens", "x"], "expected a positive integer"),
-        (["generate", "--prompt", "hi", "--dtype", "float16"], "invalid choice: 'float16'"),
+        (["generate", "--prompt", "hi", "--dtype", "int4"], "invalid choice: 'int4'"),
         (["generate"], "one of the arguments --prompt --prompt-file is required"),
         (["generate", "--prompt", "a", "--prompt-file", "f"], "not allowed with argument"),
         (["bench", "--engines", "specfast-plain,vllm"], "unknown engine 'vllm'"),
