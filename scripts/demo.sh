@@ -17,9 +17,10 @@ else
     SPECFAST=(python3 -m specfast)
 fi
 
-echo "== specfast generate: explain a function, quoting it back (the answer repeats the prompt) =="
+echo "== specfast generate: explain a stdlib function (the answer reuses the prompt's words) =="
 # textwrap.indent from this machine's standard library. SmolLM2-135M quotes code faithfully but
-# garbles real edits (renames, type hints), so the demo asks for what it does well.
+# garbles real edits (renames, type hints), so the demo asks for what it does well: it answers
+# with a faithful one-sentence explanation built from the docstring.
 PROMPT=$(python3 -c 'import inspect, textwrap; print(textwrap.dedent(inspect.getsource(textwrap.indent)).strip())')
 "${SPECFAST[@]}" generate --chat --max-new-tokens 160 --prompt "Here is a Python function:
 
