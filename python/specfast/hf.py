@@ -9,6 +9,7 @@ import inspect
 
 import torch
 
+from .kv_cache import check_rollback
 from .model import Model, check_ids
 
 
@@ -82,10 +83,7 @@ class HFDecoder:
         return self.forward(ids).argmax(dim=-1)
 
     def rollback(self, length: int) -> None:
-        if not isinstance(length, int) or isinstance(length, bool):
-            raise TypeError(f"rollback length must be an int, got {type(length).__name__}")
-        if not 0 <= length <= self._length:
-            raise ValueError(f"can only roll back to a length in [0, {self._length}], got {length}")
+        check_rollback(length, self._length)
         if length < self._length:
             # a negative count removes that many tokens in every transformers version
             self.cache.crop(length - self._length)

@@ -31,8 +31,13 @@ class KVCache:
         return kc[:, :end], vc[:, :end]  # (Hkv, end, hd): cost O(length), not O(max_length)
 
     def rollback(self, length: int) -> None:
-        if not isinstance(length, int) or isinstance(length, bool):
-            raise TypeError(f"rollback length must be an int, got {type(length).__name__}")
-        if not 0 <= length <= self.length:
-            raise ValueError(f"can only roll back to a length in [0, {self.length}], got {length}")
+        check_rollback(length, self.length)
         self.length = length
+
+
+def check_rollback(length, current: int) -> None:
+    """What every decoder's rollback accepts: an int in [0, current]."""
+    if not isinstance(length, int) or isinstance(length, bool):
+        raise TypeError(f"rollback length must be an int, got {type(length).__name__}")
+    if not 0 <= length <= current:
+        raise ValueError(f"can only roll back to a length in [0, {current}], got {length}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specfast.kv_cache import check_rollback
 from specfast.model import check_ids
 
 _CPU = torch.device("cpu")
@@ -120,15 +121,21 @@ class LlamaDecoder:
             )
 
     def forward_greedy(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (T,) -> (T,) argmax ids; appends T tokens."""
-        return self.forward(ids).argmax(dim=-1)
+        """ids (T,) -> (T,) argmax ids; appends T tokens. The argmax reads llama.cpp's own
+        logits buffer, so the (T, V) rows are never copied."""
+        return self._run(ids, False, greedy=True)
 
     def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        return self._run(ids, last_only, greedy=False)
+
+    def _run(self, ids: torch.Tensor, last_only: bool, greedy: bool) -> torch.Tensor:
+        """Decodes ids in n_batch chunks -> float32 logits (rows, V), or argmax ids (rows,)."""
         check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length)
         self._check_owner()
         tokens = ids.tolist()
         T, start, V = len(tokens), self._length, self.vocab_size
-        out = torch.empty((1 if last_only else T, V), dtype=torch.float32)  # (rows, V)
+        rows = 1 if last_only else T
+        out = torch.empty(rows, dtype=torch.long) if greedy else torch.empty(rows, V)
         row = 0
         try:
             for lo in range(0, T, self._n_batch):  # llama_decode takes at most n_batch tokens
@@ -139,7 +146,9 @@ class LlamaDecoder:
                 if n_out:
                     ptr = self._lib.llama_get_logits(self._ctx)
                     logits = np.ctypeslib.as_array(ptr, shape=(n_out, V))  # llama's own buffer
-                    out[row : row + n_out] = torch.from_numpy(logits)  # copied: decode reuses it
+                    # Copied out (argmax or rows): the next decode reuses the buffer.
+                    taken = logits.argmax(axis=1) if greedy else logits
+                    out[row : row + n_out] = torch.from_numpy(taken)
                     row += n_out
         except BaseException:
             # Leave the sequence as it was before this call, whatever part of it went in.
@@ -166,10 +175,7 @@ class LlamaDecoder:
 
     def rollback(self, length: int) -> None:
         """Forget everything after the first `length` tokens: one llama_memory_seq_rm call."""
-        if not isinstance(length, int) or isinstance(length, bool):
-            raise TypeError(f"rollback length must be an int, got {type(length).__name__}")
-        if not 0 <= length <= self._length:
-            raise ValueError(f"can only roll back to a length in [0, {self._length}], got {length}")
+        check_rollback(length, self._length)
         if length < self._length:
             self._check_owner()
             if not self._lib.llama_memory_seq_rm(self._memory, 0, length, -1):
