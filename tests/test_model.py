@@ -1,5 +1,7 @@
 """The runtime against itself: cached decoding == a full no-cache forward; rollback; bad input."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -161,12 +163,40 @@ def test_int8_is_refused_off_cpu(tiny_model):
         model.quantize_int8()
 
 
-def test_unpack_after_editing_weights(tiny_model, ids):
+def test_unpack_before_editing_weights(tiny_model, ids):
     before = tiny_model.decoder(64).forward(ids)
+    tiny_model.unpack()  # the plain weights back, the packed copy dropped
     with torch.no_grad():
         tiny_model.layers[0].w_down.weight.mul_(2)
-    tiny_model.unpack()
     assert not torch.allclose(tiny_model.decoder(64).forward(ids), before, atol=1e-4)
+    with torch.no_grad():
+        tiny_model.unpack()
+        tiny_model.layers[0].w_down.weight.div_(2)
+    torch.testing.assert_close(tiny_model.decoder(64).forward(ids), before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_packing_replaces_the_plain_weights(tiny_model, ids, dtype, tied):
+    """Packed, the model holds one copy of each matrix, not two; unpack() gives the very
+    weights back, and so do state_dict() and a cast."""
+    config = dataclasses.replace(tiny_model.config, tie_embeddings=tied)
+    model = Model.from_config(config, seed=0, dtype=dtype)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    first = model.decoder(64).forward(ids)
+    if model.packed_weights() is None:
+        pytest.skip("this torch build cannot prepack")
+    matrices = [model.layers[0].wqkv.weight, model.layers[1].w_down.weight]
+    assert all(w.is_meta for w in matrices)  # the plain copies are gone
+    assert (model.lm_head is None) or model.lm_head.weight.is_meta
+    assert not model.embed.weight.is_meta  # the lookup still needs the embedding
+    head = "embed.weight" if tied else "lm_head.weight"
+    assert torch.equal(model.output_weight, ref[head])
+    sd = model.state_dict()  # unpacks
+    assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in ref)
+    assert torch.equal(model.decoder(64).forward(ids), first)  # packed again, same logits
+    as32 = model.float()
+    assert torch.equal(as32.layers[0].wqkv.weight, ref["layers.0.wqkv.weight"].float())
 
 
 def test_bfloat16_close_to_float32(tiny_model, ids):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .model import Model, ModelConfig, resolve_device, resolve_dtype
+from .model import Model, ModelConfig, resolve_device, resolve_dtype, trim_heap
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 _SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,6 +74,7 @@ def load_model(
     else:
         raise FileNotFoundError(f"no model at {path}: expected a GGUF file or a checkpoint folder")
     model = model.to(device=device, dtype=dtype)
+    trim_heap()  # the loader's float32 temporaries
     return model.compile_steps() if compiled else model
 
 

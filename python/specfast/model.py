@@ -6,6 +6,8 @@ set of weights can serve several independent sequences (the target can be its ow
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -158,6 +160,14 @@ def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales.to(w.dtype)
 
 
+def trim_heap() -> None:
+    """Hands freed heap memory back to the OS (glibc's malloc_trim). glibc keeps large freed
+    blocks for reuse, so without this the weights packing replaced (or a loader's temporaries)
+    stay in the process's resident memory. A no-op elsewhere."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 class Model(nn.Module):
     """Weights of a Llama-family model. `decoder(max_length)` gives one sequence's state."""
 
@@ -185,6 +195,7 @@ class Model(nn.Module):
         self.chat_template: str | None = None
         self._rope_cache: dict = {}
         self._packed: list | None = None  # oneDNN-prepacked CPU weights, built on first use
+        self._plain_released = False  # the packed copy replaced the plain weights
         self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
         self.prepack = True
         self.int8 = False  # see quantize_int8
@@ -201,6 +212,7 @@ class Model(nn.Module):
         steps (enabled=False: eager again). See specfast.steps. Returns self."""
         from .steps import compile_step
 
+        self.unpack()  # a compiled step reads the plain weights (packed_weights keeps them then)
         self.compiled_step = compile_step(self, mode, backend) if enabled else None
         return self
 
@@ -215,6 +227,10 @@ class Model(nn.Module):
             else:
                 p.copy_(0.02 * torch.randn(p.shape, generator=g))
         return model.to(device=resolve_device(device), dtype=resolve_dtype(dtype))
+
+    def state_dict(self, *args, **kwargs):
+        self.unpack()  # the real weights, not the placeholders packing leaves
+        return super().state_dict(*args, **kwargs)
 
     # -- properties the generate() loop reads
 
@@ -259,7 +275,7 @@ class Model(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self._rope_cache = {}  # moved or cast: rebuild the tables lazily
-        self._packed = None
+        self.unpack()  # the plain weights back first: they are what gets moved or cast
         self._rows_cache = {}
         return super()._apply(fn, *args, **kwargs)
 
@@ -272,7 +288,13 @@ class Model(nn.Module):
         On CPU, a plain F.linear makes oneDNN re-lay out a bf16 weight on every call, and MKL's
         fp32 GEMM gets slow for 2-16 rows. Prepacked weights make a forward over 1-16 tokens cost
         about the same, which is what verification needs. Costs a second copy of the weights.
-        None off CPU or with `prepack = False`. Call `unpack()` after editing weights in place.
+        None off CPU or with `prepack = False`.
+
+        The packed copy replaces the plain weights of those matrices (they become shape-only
+        placeholders on the meta device), so packing does not double the model's memory.
+        `unpack()` restores them exactly (oneDNN's reorder is lossless); call it before reading
+        or editing a matrix in place, and before `state_dict()`. The int8 path keeps the float
+        weights (quantize_int8), and so does a model with compiled steps, which read them.
         """
         if self._packed is not None:
             return self._packed or None
@@ -286,7 +308,34 @@ class Model(nn.Module):
             except RuntimeError:  # a oneDNN build that cannot pack this dtype: plain F.linear
                 packed = []
         self._packed = packed
+        if packed and not self.int8 and self.compiled_step is None:
+            self._release_plain()
         return packed or None
+
+    def _packed_modules(self) -> list[tuple[nn.Linear, int, int | None]]:
+        """(module, layer index or -1 for the head, matrix index) for every packed matrix."""
+        out = [
+            (m, i, j)
+            for i, layer in enumerate(self.layers)
+            for j, m in enumerate((layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+        ]
+        return out + ([(self.lm_head, -1, None)] if self.lm_head is not None else [])
+
+    def _release_plain(self) -> None:
+        # A tied head is the embedding, which the lookup still needs: only lm_head is released.
+        for m, _, _ in self._packed_modules():
+            w = torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta")
+            m.weight = nn.Parameter(w, requires_grad=False)
+        self._plain_released = True
+        trim_heap()
+
+    def _restore_plain(self) -> None:
+        if not self._plain_released:
+            return
+        for m, i, j in self._packed_modules():
+            w = (self._packed[i][j] if j is not None else self._packed[-1]).to_dense()
+            m.weight = nn.Parameter(w, requires_grad=False)
+        self._plain_released = False
 
     def _pack(self, w: torch.Tensor):
         """One matrix as packed_weights() holds it: int8 (weight, scales), or oneDNN-blocked for
@@ -298,7 +347,11 @@ class Model(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         """(V, D): the vocabulary projection (the embedding when they are tied)."""
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is None:
+            return self.embed.weight
+        if self._plain_released:  # a dense copy for the caller, without keeping it
+            return self._packed[-1].to_dense()
+        return self.lm_head.weight
 
     def output_rows(self, ids: torch.Tensor) -> OutputRows:
         """The vocabulary projection for the tokens `ids` only, packed as the model's own is."""
@@ -311,6 +364,8 @@ class Model(nn.Module):
         return self._rows_cache[n]
 
     def unpack(self) -> None:
+        """Drops the packed copy and restores the plain weights it replaced."""
+        self._restore_plain()
         self._packed = None
         self._rows_cache = {}
 
@@ -496,6 +551,8 @@ class Decoder:
         self.model = model
         self.max_length = max_length
         self.step = model.compiled_step
+        if self.step is not None:
+            model._restore_plain()  # a compiled step reads the plain weights, not the packed
         # A compiled step needs a fixed cache shape: a power-of-two capacity (steps.py).
         capacity = max_length if self.step is None else static_capacity(max_length)
         self.cache = KVCache(

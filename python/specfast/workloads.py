@@ -15,6 +15,7 @@ Chat prompts are stored as messages and rendered with the model's own chat templ
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -59,21 +60,28 @@ def render_chat(
     jinja2) we fall back to plain ChatML, which is what SmolLM2 and Qwen2.5 use; the only
     difference for SmolLM2 is its default system line.
     """
-    if chat_template:
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:
-            pass
-        else:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            return env.from_string(chat_template).render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token="",
-                eos_token="",
-            )
+    template = _compiled_template(chat_template) if chat_template else None
+    if template is not None:
+        return template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token="",
+            eos_token="",
+        )
     out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(chat_template: str):
+    """The template compiled once per process (a Session renders it every turn; compiling a
+    real template costs milliseconds), or None without jinja2."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(chat_template)
 
 
 # ---------------------------------------------------------------------------- code editing
