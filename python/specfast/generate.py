@@ -254,10 +254,6 @@ def generate(
     from specfast.draft import common_tokens
     from specfast.runtime import context_hint, is_model, make_decoder, model_facts, model_tokenizer
 
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise TypeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     fixed_k = check_k(num_speculative_tokens)
     if not is_model(model):
         raise TypeError(

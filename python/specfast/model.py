@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache
+from .steps import BUCKETS, bucket, compile_step, static_capacity
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPES.update({"bf16": torch.bfloat16, "float": torch.float32})
@@ -210,8 +211,6 @@ class Model(nn.Module):
     ) -> Model:
         """Decoders made from now on run decode and verify passes as compiled static-shape
         steps (enabled=False: eager again). See specfast.steps. Returns self."""
-        from .steps import compile_step
-
         self.unpack()  # a compiled step reads the plain weights (packed_weights keeps them then)
         self.compiled_step = compile_step(self, mode, backend) if enabled else None
         return self
@@ -539,8 +538,6 @@ class Decoder:
     """
 
     def __init__(self, model: Model, max_length: int):
-        from .steps import static_capacity
-
         if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         if max_length > model.max_context:
@@ -592,14 +589,10 @@ class Decoder:
         return self.forward(ids).argmax(dim=-1)
 
     def _is_static(self, ids, last_only, head) -> bool:
-        from .steps import BUCKETS
-
         return self.step is not None and not last_only and head is None and len(ids) <= BUCKETS[-1]
 
     def _static(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled step over ids padded to a bucket -> (logits (T, V), argmax (T,))."""
-        from .steps import bucket
-
         T, pos = ids.shape[0], self.cache.length
         B, C = bucket(T), self.cache.k.shape[2]
         cos, sin = self.model.rope(C)
