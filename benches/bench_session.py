@@ -1,6 +1,6 @@
 """Conversations: a Session (cache and drafter kept) against generate() on the full history.
 
-    python benches/bench_session.py [--dtype float32] [--tokens 160] [--out results.json]
+    python benches/bench_session.py [--dtype auto] [--tokens 160] [--out results.json]
 
 Workloads, built at run time from real text nobody here wrote (code editing):
 - `edit`: a 4-turn code-editing conversation on a CPython stdlib function (inspect.getsource);
@@ -41,6 +41,7 @@ import time
 import torch
 
 import specfast
+from specfast.hardware import cpu_flags_label
 from specfast.session import Session
 
 EDITS = [
@@ -200,7 +201,7 @@ def corpus_runs(model, max_new_tokens: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--tokens", type=int, default=160, help="max new tokens per turn")
     p.add_argument("--function", default="textwrap.dedent")
     p.add_argument("--repeats", type=int, default=3, help="TTFT measurements per turn (median)")
@@ -210,7 +211,8 @@ def main() -> None:
     model = specfast.load_model(dtype=args.dtype)
     info = {
         "model": str(specfast.default_model_path().name),
-        "dtype": args.dtype,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "cpu_flags": cpu_flags_label(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),

@@ -68,18 +68,19 @@ def load_model(
     compiled = resolve_compile(compile, device)
     path = default_model_path() if path is None else Path(path)
     if path.is_dir():
-        model = _load_hf_folder(path)
+        model = _load_hf_folder(path, dtype)
     elif path.is_file():
-        model = _load_gguf(path)
+        model = _load_gguf(path, dtype)
     else:
         raise FileNotFoundError(f"no model at {path}: expected a GGUF file or a checkpoint folder")
     model = model.to(device=device, dtype=dtype)
-    trim_heap()  # the loader's float32 temporaries
+    trim_heap()  # the loader's temporaries
     return model.compile_steps() if compiled else model
 
 
 def _build(config: ModelConfig, weights: dict[str, torch.Tensor], source: Path) -> Model:
-    """Model with `weights` (our names, float32 tensors) assigned, checking names and shapes."""
+    """Model with `weights` (our names, tensors of one dtype) assigned, checking names and
+    shapes."""
     with torch.device("meta"):
         model = Model(config)
     params = dict(model.named_parameters())
@@ -102,7 +103,8 @@ def _build(config: ModelConfig, weights: dict[str, torch.Tensor], source: Path) 
 
 
 def _fuse_layer(get, i: int, prefix: str, bias: bool) -> dict[str, torch.Tensor]:
-    """Our layer i's tensors from HF-named ones: `get(name)` returns a float32 tensor."""
+    """Our layer i's tensors from HF-named ones: `get(name)` returns a tensor in the dtype
+    the model loads in."""
     p = f"{prefix}layers.{i}."
     out = {
         f"layers.{i}.attn_norm": get(p + "input_layernorm.weight"),
@@ -191,7 +193,7 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _load_hf_folder(folder: Path) -> Model:
+def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Model:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{folder}: no config.json; expected a Hugging Face checkpoint folder")
@@ -203,7 +205,7 @@ def _load_hf_folder(folder: Path) -> Model:
     def get(name):
         if name not in raw:
             raise ValueError(f"{folder}: tensor {name} missing from the safetensors files")
-        return raw[name].float()
+        return raw[name].to(dtype)
 
     weights = {
         "embed.weight": get(prefix + "embed_tokens.weight"),
@@ -273,7 +275,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path) -> Model:
+def _load_gguf(path: Path, dtype: torch.dtype) -> Model:
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
@@ -344,7 +346,8 @@ def _load_gguf(path: Path) -> Model:
             w = _unpermute(w, n_heads)
         elif permuted and ".attn_k." in name:
             w = _unpermute(w, n_kv)
-        return torch.from_numpy(w)
+        # Cast tensor by tensor: a whole float32 copy of the model never exists at once.
+        return torch.from_numpy(w).to(dtype)
 
     weights = {"embed.weight": get("token_embd.weight"), "norm": get("output_norm.weight")}
     if not config.tie_embeddings:

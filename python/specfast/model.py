@@ -169,6 +169,12 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def _to_placeholder(m: nn.Linear) -> None:
+    """Drops a matrix's values, keeping its shape and dtype (a meta tensor)."""
+    w = torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta")
+    m.weight = nn.Parameter(w, requires_grad=False)
+
+
 class Model(nn.Module):
     """Weights of a Llama-family model. `decoder(max_length)` gives one sequence's state."""
 
@@ -286,8 +292,8 @@ class Model(nn.Module):
 
         On CPU, a plain F.linear makes oneDNN re-lay out a bf16 weight on every call, and MKL's
         fp32 GEMM gets slow for 2-16 rows. Prepacked weights make a forward over 1-16 tokens cost
-        about the same, which is what verification needs. Costs a second copy of the weights.
-        None off CPU or with `prepack = False`.
+        about the same, which is what verification needs. None off CPU or with
+        `prepack = False`.
 
         The packed copy replaces the plain weights of those matrices (they become shape-only
         placeholders on the meta device), so packing does not double the model's memory.
@@ -297,18 +303,38 @@ class Model(nn.Module):
         """
         if self._packed is not None:
             return self._packed or None
-        packed = []
+        packed: list = []
+        # Each plain matrix goes as soon as its packed copy exists, so the peak is one copy.
+        release = not self.int8 and self.compiled_step is None
+        released: list[tuple[nn.Linear, torch.Tensor]] = []
+
+        def pack(m: nn.Linear):
+            p = self._pack(m.weight)
+            if release:
+                released.append((m, p))
+                _to_placeholder(m)
+            return p
+
         if self.device.type == "cpu" and (self.int8 or (self.prepack and _HAS_MKLDNN_LINEAR)):
             try:
                 for layer in self.layers:
-                    ws = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-                    packed.append([self._pack(m.weight) for m in ws])
-                packed.append(self._pack(self.output_weight))
+                    packed.append(
+                        [pack(m) for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+                    )
+                # A tied head is the embedding, which the lookup still needs: kept.
+                packed.append(
+                    pack(self.lm_head)
+                    if self.lm_head is not None
+                    else self._pack(self.embed.weight)
+                )
             except RuntimeError:  # a oneDNN build that cannot pack this dtype: plain F.linear
-                packed = []
+                for m, p in released:
+                    m.weight = nn.Parameter(p.to_dense(), requires_grad=False)
+                packed, released = [], []
         self._packed = packed
-        if packed and not self.int8 and self.compiled_step is None:
-            self._release_plain()
+        self._plain_released = bool(released)
+        if released:
+            trim_heap()
         return packed or None
 
     def _packed_modules(self) -> list[tuple[nn.Linear, int, int | None]]:
@@ -319,14 +345,6 @@ class Model(nn.Module):
             for j, m in enumerate((layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
         ]
         return out + ([(self.lm_head, -1, None)] if self.lm_head is not None else [])
-
-    def _release_plain(self) -> None:
-        # A tied head is the embedding, which the lookup still needs: only lm_head is released.
-        for m, _, _ in self._packed_modules():
-            w = torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta")
-            m.weight = nn.Parameter(w, requires_grad=False)
-        self._plain_released = True
-        trim_heap()
 
     def _restore_plain(self) -> None:
         if not self._plain_released:
