@@ -137,7 +137,9 @@ def conversation(model, turns: list[str], max_new_tokens: int, repeats: int) -> 
         own = specfast.generate(
             model, history, max_new_tokens=max_new_tokens, drafter=TurnOnly(start)
         )
-        assert out.token_ids == full.token_ids == own.token_ids, "greedy outputs differ"
+        identical = out.token_ids == full.token_ids == own.token_ids
+        # Exact in float32; in bf16 a pass over other shapes may flip a near-tie (DESIGN.md §4).
+        assert identical or model.dtype != torch.float32, "greedy outputs differ in float32"
         rows.append(
             {
                 "turn": i + 1,
@@ -147,6 +149,7 @@ def conversation(model, turns: list[str], max_new_tokens: int, repeats: int) -> 
                 "session": row(out),
                 "generate": row(full),
                 "turn_only": row(own),
+                "identical": identical,
             }
         )
         print(format_row(rows[-1]), flush=True)
@@ -160,14 +163,15 @@ def format_row(r: dict) -> str:
         f"| {r['turn']} | {r['history_tokens']} | {s['prefill_tokens']} | "
         f"{tg * 1e3:.0f} | {ts * 1e3:.0f} | {ts / tg:.2f}x | "
         f"{g['tok_s']:.1f} | {s['tok_s']:.1f} | {t['tokens_per_pass']:.2f} | "
-        f"{g['tokens_per_pass']:.2f} | {s['tokens_per_pass']:.2f} |"
+        f"{g['tokens_per_pass']:.2f} | {s['tokens_per_pass']:.2f} | "
+        f"{'yes' if r['identical'] else 'no'} |"
     )
 
 
 HEADER = (
     "| turn | history tokens | session prefill | TTFT generate (ms) | TTFT session (ms) | ratio | "
     "tok/s generate | tok/s session | tokens/pass turn-only | tokens/pass generate | "
-    "tokens/pass session |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    "tokens/pass session | identical |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
