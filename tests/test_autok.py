@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specfast.autok import AutoK
+from specfast.autok import AutoK, shared_pass_costs
 
 
 def feed(
@@ -82,3 +82,22 @@ def test_costlier_draft_steps_end_rounds_sooner():
 
     cheap, costly = run_length(0.05), run_length(0.6)
     assert cheap > costly >= 1
+
+
+def test_pass_costs_carry_over_between_calls_on_one_target():
+    """A second call on the same target starts from the pass cost the first one measured (a
+    costly batched pass: k stays short at once); a call on another target starts fresh."""
+    target, other = Target(), Target()
+    first = AutoK()
+    first.use_pass_costs(shared_pass_costs(target))
+    feed(first, 20, 8, 1, match=2, cost_per_token=0.6)  # llama.cpp-like: 8 drafts cost 5.8 steps
+    again, fresh = AutoK(), AutoK()
+    again.use_pass_costs(shared_pass_costs(target))
+    fresh.use_pass_costs(shared_pass_costs(other))
+    assert again.pass_seconds(9) > 4 * again.pass_seconds(1)  # measured, not the flat prior
+    assert fresh.pass_seconds(9) < 1.2 * fresh.pass_seconds(1)  # negative control: the prior
+    assert again.choose(2) < fresh.choose(2)
+
+
+class Target:
+    """Any weakly referenceable object stands in for a model."""

@@ -26,12 +26,28 @@ must exceed what the next step costs in tokens at the current rate.
 from __future__ import annotations
 
 import bisect
+import weakref
 
 CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of match length
 # Lower edges of the draft model's probability for its token; the last buckets are narrow
 # because copying runs live there, where 0.99 and 0.999 mean very different run lengths.
 CONFIDENCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.98, 0.99, 0.995, 0.999)
+
+
+# A pass's cost belongs to the target and the machine, not to one call: the decayed sums are kept
+# per target, so each generate() call starts from what earlier ones measured, not from a prior
+# that calls verification free.
+_PASS_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shared_pass_costs(target) -> dict[int, list[float]]:
+    """The target's pass-cost sums (n -> [weight, seconds]); a new dict for an object that
+    cannot be weakly referenced."""
+    try:
+        return _PASS_COSTS.setdefault(target, {})
+    except TypeError:
+        return {}
 
 
 def match_bucket(match_length: int | None) -> int | None:
@@ -66,9 +82,13 @@ class AutoK:
         # Decayed sums of tokens committed and seconds spent per round: the running rate.
         self._tokens, self._seconds = 0.0, 0.0
         # Pass cost t(n) = intercept + slope * n, fitted from decayed sums per n.
-        self._sums: dict[int, list[float]] = {}  # n -> [weight, total seconds]
+        self._sums: dict[int, list[float]] = {}  # n -> [weight, total seconds]; use_pass_costs
         self._fit: tuple[float, float, float] | None = None
         self.draft_step_seconds = 0.0  # a draft model's cost per proposed token
+
+    def use_pass_costs(self, sums: dict[int, list[float]]) -> None:
+        """Fits pass cost from `sums` (shared_pass_costs(target)), updating them in place."""
+        self._sums, self._fit = sums, None
 
     def _rate(self, bucket: int | None) -> _Rate:
         if bucket not in self._rates:
