@@ -201,16 +201,18 @@ def test_joint_with_a_draft_model_is_exact(model, draft_model, exact_joint_top_k
     assert chi2_pvalue(counts, exact_joint_top_k) > ALPHA
 
 
+def sample_filtered_report_unfiltered(self, logits):
+    """A known-wrong DraftModelDrafter._step, the bug of transformers #32867: sample from the
+    filtered q, put the raw one in the ratio."""
+    q = specfast.logits_to_probs(logits, **self.sampling)
+    token = torch.multinomial(q, 1, generator=self.generator)[0]
+    return token, torch.softmax(logits.float(), dim=-1)
+
+
 def test_negative_control_q_from_unfiltered_logits_is_caught(
     model, draft_model, exact_joint_top_k, monkeypatch
 ):
     import specfast.draft
-
-    def sample_filtered_report_unfiltered(self, logits):
-        # The bug of transformers #32867: sample from the filtered q, put the raw one in the ratio.
-        q = specfast.logits_to_probs(logits, **self.sampling)
-        token = torch.multinomial(q, 1, generator=self.generator)[0]
-        return token, torch.softmax(logits.float(), dim=-1)
 
     monkeypatch.setattr(
         specfast.draft.DraftModelDrafter, "_step", sample_filtered_report_unfiltered

@@ -17,7 +17,12 @@ llama_cpp = pytest.importorskip(
 )
 
 from conftest import make_hf_model, write_tiny_gguf  # noqa: E402
-from test_generate_distribution import ALPHA, N, chi2_pvalue  # noqa: E402
+from test_generate_distribution import (  # noqa: E402
+    ALPHA,
+    N,
+    chi2_pvalue,
+    sample_filtered_report_unfiltered,
+)
 
 import specfast  # noqa: E402
 import specfast.runtime  # noqa: E402
@@ -340,12 +345,6 @@ def test_level2_negative_control_q_from_unfiltered_logits_is_caught(
     tiny, tiny_draft, exact_joint, monkeypatch
 ):
     import specfast.draft
-
-    def sample_filtered_report_unfiltered(self, logits):
-        # The bug of transformers #32867: sample from the filtered q, put the raw one in the ratio.
-        q = specfast.logits_to_probs(logits, **self.sampling)
-        token = torch.multinomial(q, 1, generator=self.generator)[0]
-        return token, torch.softmax(logits.float(), dim=-1)
 
     monkeypatch.setattr(
         specfast.draft.DraftModelDrafter, "_step", sample_filtered_report_unfiltered
