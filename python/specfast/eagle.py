@@ -610,7 +610,10 @@ class EagleDraft(_Base):
         self.vocab_size = c.vocab_size
         self.committed: list[int] = []
         self.fed = 0  # head cache positions [0, fed) hold the target's real features
-        self.pending: torch.Tensor | None = None  # features of positions [fed, ...), not fed
+        # Target features of positions [fed, fed + n_pending), not fed yet: a list, so rounds
+        # that do not draft (auto k) append in O(1) and the next draft concatenates once.
+        self.pending: list[torch.Tensor] = []
+        self.n_pending = 0
         self.generator = torch.Generator(device=w.device)
         self.greedy, self.sampling = True, {}
         self.draft_probs: torch.Tensor | None = None
@@ -632,18 +635,18 @@ class EagleDraft(_Base):
         first proposal is one ordinary step."""
         if features is None:
             raise ValueError("the EAGLE drafter needs the target's features of the prompt")
-        start = len(self.committed) - 1 - features.shape[0]
-        self._add_features(start, features)
-        n = self.pending.shape[0] - 1 if self.pending is not None else 0
-        if n > 0:
+        self._add_features(len(self.committed) - 1 - features.shape[0], features)
+        if self.n_pending > 1:
+            rows = self._take_pending()
             self.cache.rollback(self.fed)
-            self._feed(self.pending[:n])
-            self.fed, self.pending = self.fed + n, self.pending[n:]
+            self._feed(rows[:-1])
+            self.fed += rows.shape[0] - 1
+            self.pending, self.n_pending = [rows[-1:]], 1
 
     def propose(self, budget: int) -> Proposal:
         k = self.fixed_k if self.auto is None else self.auto.choose_draft()
         k = min(k, budget)
-        if k <= 0 or self.pending is None:
+        if k <= 0 or not self.n_pending:
             return Proposal([])
         tokens = self._draft(k)
         return Proposal(tokens, self.draft_probs, None, list(self.confidences))
@@ -663,27 +666,34 @@ class EagleDraft(_Base):
         forgotten (the target re-sends them when it prefills them again)."""
         self.committed = [int(t) for t in kept]
         known = max(len(self.committed) - 1, 0)
-        if self.fed > known:
-            self.fed, self.pending = known, None
-        elif self.pending is not None:
-            self.pending = self.pending[: known - self.fed] if known > self.fed else None
+        if self.fed >= known:
+            self.fed, self.pending, self.n_pending = known, [], 0
+        elif self.fed + self.n_pending > known:
+            self.pending = [self._take_pending()[: known - self.fed]]
+            self.n_pending = known - self.fed
 
     # -- the head's passes
 
     def _add_features(self, start: int, features: torch.Tensor) -> None:
         """Records the target's features of positions [start, start + len(features))."""
-        have = self.fed + (0 if self.pending is None else self.pending.shape[0])
+        have = self.fed + self.n_pending
         if not 0 <= start <= have:
             raise ValueError(
                 f"the EAGLE drafter got target features from position {start} but knows only "
                 f"[0, {have}); rebuild it (a new generate() call or Session)"
             )
         if start < self.fed:  # the target recomputed rows the head had: take them again
-            self.fed, self.pending = start, features
-        elif self.pending is None or start == self.fed:
-            self.pending = features
-        else:
-            self.pending = torch.cat([self.pending[: start - self.fed], features])
+            self.fed, self.pending = start, []
+        elif start < have:  # rows past `start` were recomputed: keep those before it
+            self.pending = [self._take_pending()[: start - self.fed]]
+        self.pending.append(features)
+        self.n_pending = start - self.fed + features.shape[0]
+
+    def _take_pending(self) -> torch.Tensor:
+        """The pending features as one (n_pending, F) tensor."""
+        rows = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+        self.pending = [rows]
+        return rows
 
     def _feed(self, features: torch.Tensor) -> torch.Tensor:
         """Runs the head over positions [fed, fed + n) with the target's features there and
@@ -718,9 +728,10 @@ class EagleDraft(_Base):
 
     def _draft(self, k: int) -> list[int]:
         """Re-feeds the pending real rows, then drafts up to k tokens."""
+        rows = self._take_pending()
         self.cache.rollback(self.fed)  # forget last round's drafts
-        hidden = self._feed(self.pending)
-        self.fed, self.pending = self.fed + self.pending.shape[0], None
+        hidden = self._feed(rows)
+        self.fed, self.pending, self.n_pending = self.fed + rows.shape[0], [], 0
         drafts, qs, confidences = [], [], []
         for i in range(k):
             logits = self.head.logits(hidden).float()  # (1, Vd)
@@ -758,9 +769,51 @@ def _probability(logits: torch.Tensor, q: torch.Tensor | None, row: torch.Tensor
     return float(torch.softmax(logits[0], dim=-1)[row])
 
 
+class EagleNgramDraft(EagleDraft):
+    """CombinedDrafter(head): the n-gram where the context repeats, the head elsewhere. Auto k
+    picks the source each round (AutoK.choose_source, as CombinedDraft); a fixed k drafts with
+    the n-gram when its match is at least `min_match` tokens. While the n-gram drafts, the
+    head's pending features pile up and are fed in one pass the next time it drafts."""
+
+    def __init__(self, combined, target, fixed_k, max_length):
+        super().__init__(combined.model, target, fixed_k, max_length)
+        self.ngram, self.min_match = combined.ngram, combined.min_match
+
+    def extend(self, tokens) -> None:
+        super().extend(tokens)
+        self.ngram.extend(tokens)
+
+    def propose(self, budget: int) -> Proposal:
+        match = self.ngram.match_length
+        if self.auto is None:
+            use_ngram, k = match >= self.min_match, self.fixed_k
+        else:
+            use_ngram, k = self.auto.choose_source(match)
+            if k and not use_ngram:
+                k = self.auto.max_draft_k  # the head stops itself (keep_drafting)
+        k = min(k, budget)
+        if k > 0 and use_ngram:
+            tokens = list(self.ngram.propose(k))[:k]
+            if tokens:
+                return Proposal(tokens, None, match)
+        if k <= 0 or not self.n_pending:
+            return Proposal([], evidence=match if use_ngram else None)
+        tokens = self._draft(k)
+        return Proposal(tokens, self.draft_probs, None, list(self.confidences))
+
+    def rollback(self, kept) -> None:
+        super().rollback(kept)
+        self.ngram.reset()
+        self.ngram.extend(self.committed)
+
+
 def eagle_drafter(drafter, target, fixed_k: int | None, max_length: int) -> EagleDraft:
-    """make_drafter's EAGLE case: "eagle" (the default model's shipped head), "eagle:PATH", or
-    an EagleHead."""
+    """make_drafter's EAGLE case: "eagle" (the default model's shipped head), "eagle:PATH", an
+    EagleHead, or a CombinedDrafter of an EagleHead (with the n-gram)."""
+    from specfast.draft import CombinedDrafter
+
+    if isinstance(drafter, CombinedDrafter):
+        return EagleNgramDraft(drafter, target, fixed_k, max_length)
     if isinstance(drafter, str):
         path = drafter.partition(":")[2] or None
         if path is None and not DEFAULT_HEAD.is_dir():
