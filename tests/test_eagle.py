@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import needs_transformers
+from test_cli import run_main, tiny_model_dir  # noqa: F401  (tiny_model_dir: a fixture)
 from test_generate_distribution import chi2_pvalue
 
 from specfast.model import Model, ModelConfig, default_aux_layers
@@ -253,6 +254,42 @@ def test_session_turns_with_an_eagle_head_equal_generate(target, fitted_head):
     assert (first.token_ids, second.token_ids) == (want1, want2)
 
 
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_eagle_plus_ngram_is_plain_greedy(target, plain, fitted_head, k):
+    """CombinedDrafter(head): the n-gram drafts where the context repeats (the prompt is one
+    phrase three times), the head elsewhere; its features catch up after n-gram rounds."""
+    import specfast
+
+    combined = specfast.CombinedDrafter(fitted_head, min_match=2)
+    out = specfast.generate(
+        target, PROMPT, max_new_tokens=60, drafter=combined, num_speculative_tokens=k
+    )
+    assert out.token_ids == plain
+    assert out.stats.draft_tokens > 0
+
+
+def test_eagle_and_ngram_both_draft_with_a_fixed_k(target, fitted_head, monkeypatch):
+    import specfast
+    import specfast.eagle
+
+    sources = []
+    real = specfast.eagle.EagleDraft._draft
+
+    def count(self, k):
+        sources.append("head")
+        return real(self, k)
+
+    monkeypatch.setattr(specfast.eagle.EagleDraft, "_draft", count)
+    prompt = PROMPT[:12] + PROMPT[:12]  # repeats, then not
+    want = specfast.generate(target, prompt, max_new_tokens=40, drafter=None).token_ids
+    combined = specfast.CombinedDrafter(fitted_head, min_match=3)
+    out = specfast.generate(
+        target, prompt, max_new_tokens=40, drafter=combined, num_speculative_tokens=3
+    )
+    assert out.token_ids == want
+    assert sources and len(sources) < out.stats.target_passes - 1  # some rounds were n-gram
+
+
 # ----------------------------------------------------------------------------
 # files: SpecForge's layout, round trip and bad files
 
@@ -430,6 +467,36 @@ def test_eagle_string_without_a_shipped_head_says_so(target, monkeypatch, tmp_pa
     path = write_head(target, tmp_path / "h")
     out = specfast.generate(target, [1, 2, 3], max_new_tokens=3, drafter=f"eagle:{path}")
     assert len(out.token_ids) == 3
+
+
+def test_cli_generate_and_bench_with_a_head(tiny_model_dir, tmp_path, capsys):  # noqa: F811
+    import json
+
+    import specfast
+    from specfast.eagle import EagleConfig, random_head, save_eagle
+
+    model = specfast.load_model(str(tiny_model_dir), dtype="float32")
+    config = EagleConfig.for_target(model, draft_vocab_size=100, aux_layers=(0, 1, 1))
+    head_dir = save_eagle(random_head(config, seed=0), tmp_path / "head", dtype="float32")
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc"]
+    argv += ["--max-new-tokens", "8", "--dtype", "float32"]
+    outputs = []
+    for drafter in ("none", f"eagle:{head_dir}", f"ngram+eagle:{head_dir}"):
+        rc, out, err = run_main([*argv, "--drafter", drafter], capsys)
+        assert rc == 0, err
+        outputs.append(out)
+    assert outputs[1] == outputs[0] == outputs[2]  # the same text, whichever drafter
+    out_dir = tmp_path / "bench"
+    argv = ["bench", "--model", str(tiny_model_dir), "--workloads", "open", "--dtype", "float32"]
+    argv += ["--engines", "specfast-plain,specfast-eagle,specfast-eagle+ngram"]
+    argv += ["--eagle", str(head_dir), "--prompts-per-workload", "1", "--repeats", "1"]
+    argv += ["--max-new-tokens", "8", "--out", str(out_dir)]
+    rc, _, err = run_main(argv, capsys)
+    assert rc == 0, err
+    doc = json.loads((out_dir / "results.json").read_text())
+    for engine in ("specfast-eagle", "specfast-eagle+ngram"):
+        assert doc["summary"]["open"][engine]["identical"] == 1
+    assert doc["meta"]["eagle"] == str(head_dir)
 
 
 # ----------------------------------------------------------------------------
