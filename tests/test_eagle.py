@@ -270,16 +270,16 @@ def test_eagle_plus_ngram_is_plain_greedy(target, plain, fitted_head, k):
 
 def test_eagle_and_ngram_both_draft_with_a_fixed_k(target, fitted_head, monkeypatch):
     import specfast
-    import specfast.eagle
+    import specfast.eagle_draft
 
     sources = []
-    real = specfast.eagle.EagleDraft._draft
+    real = specfast.eagle_draft.EagleDraft._draft
 
     def count(self, k):
         sources.append("head")
         return real(self, k)
 
-    monkeypatch.setattr(specfast.eagle.EagleDraft, "_draft", count)
+    monkeypatch.setattr(specfast.eagle_draft.EagleDraft, "_draft", count)
     prompt = PROMPT[:12] + PROMPT[:12]  # repeats, then not
     want = specfast.generate(target, prompt, max_new_tokens=40, drafter=None).token_ids
     combined = specfast.CombinedDrafter(fitted_head, min_match=3)
@@ -459,7 +459,7 @@ def test_transformers_target_is_refused_with_a_reason(hf_and_ours):
 
 def test_eagle_string_without_a_shipped_head_says_so(target, monkeypatch, tmp_path):
     import specfast
-    import specfast.eagle
+    import specfast.eagle_draft
 
     monkeypatch.setattr(specfast.eagle, "DEFAULT_HEAD", tmp_path / "absent")
     with pytest.raises(ValueError, match="not there"):
@@ -640,7 +640,7 @@ def test_joint_with_the_heads_q_is_exact(target2, permuted_head, partial_head, w
 def test_negative_control_q_before_the_draft_vocabulary_mapping(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.eagle
+    import specfast.eagle_draft
 
     def unmapped(self, q):
         # The bug: draft id i's probability put on target id i, as if d2t were all zeros.
@@ -648,7 +648,7 @@ def test_negative_control_q_before_the_draft_vocabulary_mapping(
         full[:, : q.shape[1]] = q
         return full
 
-    monkeypatch.setattr(specfast.eagle.EagleDraft, "_to_target", unmapped)
+    monkeypatch.setattr(specfast.eagle_draft.EagleDraft, "_to_target", unmapped)
     # The filtered q has zeros (top-k), so some draft lands where the unmapped q is 0: the
     # acceptance core refuses it rather than letting a wrong distribution through.
     with pytest.raises(ValueError, match="draft probability 0"):
@@ -658,23 +658,23 @@ def test_negative_control_q_before_the_draft_vocabulary_mapping(
 def test_negative_control_features_from_the_wrong_layer(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.eagle
+    import specfast.eagle_draft
 
-    real_init = specfast.eagle.EagleDraft.__init__
+    real_init = specfast.eagle_draft.EagleDraft.__init__
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         # The bug: the output of each aux layer (the next layer's input) instead of its input.
         self.feature_layers = tuple(i + 1 for i in self.feature_layers)
 
-    monkeypatch.setattr(specfast.eagle.EagleDraft, "__init__", init)
+    monkeypatch.setattr(specfast.eagle_draft.EagleDraft, "__init__", init)
     assert chi2_pvalue(sample_outcomes(target2, permuted_head), exact_permuted) < ALPHA
 
 
 def test_negative_control_features_paired_with_the_wrong_position(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.eagle
+    import specfast.eagle_draft
 
     def feed_same_position(self, features):
         # The bug: position t's features read with token t instead of token t + 1.
@@ -682,21 +682,21 @@ def test_negative_control_features_paired_with_the_wrong_position(
         tokens = torch.tensor(self.committed[pos : pos + n])
         return self._step(self.head.fc(features), tokens)[-1:]
 
-    monkeypatch.setattr(specfast.eagle.EagleDraft, "_feed", feed_same_position)
+    monkeypatch.setattr(specfast.eagle_draft.EagleDraft, "_feed", feed_same_position)
     assert chi2_pvalue(sample_outcomes(target2, permuted_head), exact_permuted) < ALPHA
 
 
 def test_negative_control_head_cache_not_rolled_back(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.eagle
+    import specfast.eagle_draft
     from specfast.kv_cache import KVCache
 
     class NoRollback(KVCache):
         def rollback(self, length):
             pass  # the bug: last round's drafts stay in the head's cache, positions shift
 
-    monkeypatch.setattr(specfast.eagle, "KVCache", NoRollback)
+    monkeypatch.setattr(specfast.eagle_draft, "KVCache", NoRollback)
     assert chi2_pvalue(sample_outcomes(target2, permuted_head), exact_permuted) < ALPHA
 
 

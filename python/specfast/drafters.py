@@ -245,7 +245,8 @@ def make_drafter(
     (or any object with extend/propose), a draft model, a CombinedDrafter, or an EAGLE head
     ("eagle", "eagle:PATH", an EagleHead from load_eagle)."""
     from specfast.draft import CombinedDrafter, DraftModelDrafter
-    from specfast.eagle import EagleHead, eagle_drafter
+    from specfast.eagle import EagleHead
+    from specfast.eagle_draft import eagle_drafter
     from specfast.runtime import is_model
 
     if drafter is None:
