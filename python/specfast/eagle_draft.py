@@ -1,0 +1,312 @@
+"""Drafting with an EAGLE-3 head (eagle.py): the drafter generate() runs for an EagleHead.
+
+The head keeps its own static KV cache, rolled back after every verify, and reads the target's
+features of the rows the target kept; q is the head's filtered distribution mapped through d2t.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specfast import eagle
+from specfast.autok import AutoK
+from specfast.drafters import Proposal, Verified, _Base
+from specfast.eagle import EagleHead, check_config_for_target, check_target, load_eagle
+from specfast.kv_cache import KVCache
+from specfast.model import Model
+from specfast.sampling import logits_to_probs
+
+
+class FastLinears:
+    """The head's matrices for drafting: q/k/v and gate/up fused (fewer ops per step), and on
+    CPU oneDNN-prepacked as the target's are (model.packed_weights says why). On the shared
+    2-core machine a packed and a plain SmolLM2-sized head step measured alike (1 thread,
+    fp32 and bf16), so the packing's gain here is unproven. A copy made once per drafter; the
+    head's own weights stay what training and saving use."""
+
+    def __init__(self, head: EagleHead):
+        from specfast.model import _HAS_MKLDNN_LINEAR
+
+        mid = head.midlayer
+        a, m = mid.self_attn, mid.mlp
+        weights = {
+            "fc": head.fc.weight,
+            "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            "o": a.o_proj.weight,
+            "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+            "down": m.down_proj.weight,
+            "lm_head": head.lm_head.weight,
+        }
+        self.weights = {k: w.detach().contiguous() for k, w in weights.items()}
+        self.packed: dict = dict.fromkeys(self.weights)
+        if head.fc.weight.device.type == "cpu" and _HAS_MKLDNN_LINEAR:
+            try:
+                for k, w in self.weights.items():
+                    self.packed[k] = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+            except RuntimeError:  # a oneDNN build that cannot pack this dtype: plain F.linear
+                self.packed = dict.fromkeys(self.weights)
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        from specfast.model import _linear
+
+        return _linear(x, self.weights[name], self.packed[name])
+
+
+# ----------------------------------------------------------------------------
+# the drafter
+
+
+class EagleDraft(_Base):
+    """Drafts a chain with an EAGLE-3 head (generate(..., drafter=head)).
+
+    The head's static KV cache holds positions [0, fed) computed from the target's real
+    features; positions past it are this round's drafts. After each verify the round hands over
+    the features of the rows the target kept (`Verified.features`); the next proposal rolls the
+    cache back to `fed` and re-feeds those positions with them, in one head pass whose last row
+    gives the first draft. So accepted drafts are re-read with the target's features, never the
+    head's own guesses.
+
+    q (sampling): the head's draft-vocabulary logits filtered as the target's
+    (logits_to_probs), the draft sampled from that, and q scattered to target ids via d2t with
+    zeros elsewhere, so the acceptance rule sees the very distribution the draft came from.
+    Auto k: up to AutoK's `max_draft_k` steps, stopped by `keep_drafting` on the calibrated
+    probabilities the head gave its drafts, as a draft model's are.
+    """
+
+    wants_features = True
+
+    def __init__(self, head: EagleHead, target: Model, fixed_k: int | None, max_length: int):
+        check_target(target)
+        check_config_for_target(head.config, target)
+        if head.embed_tokens is None and head._shared_embed is None:
+            head.bind_embedding(target.embed.weight)
+        self.head = head
+        self.feature_layers: tuple[int, ...] = tuple(head.aux_layers or ())
+        self.fixed_k = fixed_k
+        self.auto = AutoK() if fixed_k is None else None
+        w = head.fc.weight
+        self.device = w.device
+        c = head.config
+        self.cache = KVCache(1, c.num_key_value_heads, max_length, c.head_dim, w.device, w.dtype)
+        head.rope(max_length)
+        self.target_ids = head.target_ids.to(w.device)  # (Vd,)
+        with torch.inference_mode():
+            self.fast = FastLinears(head)
+        self.vocab_size = c.vocab_size
+        self.committed: list[int] = []
+        self.fed = 0  # head cache positions [0, fed) hold the target's real features
+        # Target features of positions [fed, fed + n_pending), not fed yet: a list, so rounds
+        # that do not draft (auto k) append in O(1) and the next draft concatenates once.
+        self.pending: list[torch.Tensor] = []
+        self.n_pending = 0
+        self.generator = torch.Generator(device=w.device)
+        self.greedy, self.sampling = True, {}
+        self.draft_probs: torch.Tensor | None = None
+        self.confidences: list[float] = []
+
+    # -- the protocol
+
+    def start_turn(self, seed: int, params: dict | None) -> None:
+        self.greedy = params is None or params.get("temperature", 0) == 0
+        self.sampling = dict(params or {})
+        self.generator.manual_seed(seed)
+
+    def extend(self, tokens) -> None:
+        self.committed.extend(int(t) for t in tokens)
+
+    def prefill(self, features: torch.Tensor | None = None) -> None:
+        """Takes the target's features of the rows this turn prefilled (the last len(features)
+        positions before the newest token) and feeds all but the last row into the head, so the
+        first proposal is one ordinary step."""
+        if features is None:
+            raise ValueError("the EAGLE drafter needs the target's features of the prompt")
+        self._add_features(len(self.committed) - 1 - features.shape[0], features)
+        if self.n_pending > 1:
+            rows = self._take_pending()
+            self.cache.rollback(self.fed)
+            self._feed(rows[:-1])
+            self.fed += rows.shape[0] - 1
+            self.pending, self.n_pending = [rows[-1:]], 1
+
+    def propose(self, budget: int) -> Proposal:
+        k = self.fixed_k if self.auto is None else self.auto.choose_draft()
+        k = min(k, budget)
+        if k <= 0 or not self.n_pending:
+            return Proposal([])
+        tokens = self._draft(k)
+        return Proposal(tokens, self.draft_probs, None, list(self.confidences))
+
+    def observe(self, proposal, n_accepted, verify_seconds, verified: Verified) -> None:
+        if verified.features is None:
+            raise ValueError("the round gave the EAGLE drafter no features")
+        self._add_features(len(self.committed) - 1, verified.features)
+        if self.auto is not None:
+            n = len(proposal.tokens)
+            self.auto.observe(n, n_accepted, verify_seconds, proposal.seconds, proposal.evidence)
+            if n and proposal.confidences:
+                self.auto.observe_confidences(proposal.confidences, n_accepted)
+
+    def rollback(self, kept) -> None:
+        """The committed sequence is now `kept`: features of positions past len(kept) - 2 are
+        forgotten (the target re-sends them when it prefills them again)."""
+        self.committed = [int(t) for t in kept]
+        known = max(len(self.committed) - 1, 0)
+        if self.fed >= known:
+            self.fed, self.pending, self.n_pending = known, [], 0
+        elif self.fed + self.n_pending > known:
+            self.pending = [self._take_pending()[: known - self.fed]]
+            self.n_pending = known - self.fed
+
+    # -- the head's passes
+
+    def _add_features(self, start: int, features: torch.Tensor) -> None:
+        """Records the target's features of positions [start, start + len(features))."""
+        have = self.fed + self.n_pending
+        if not 0 <= start <= have:
+            raise ValueError(
+                f"the EAGLE drafter got target features from position {start} but knows only "
+                f"[0, {have}); rebuild it (a new generate() call or Session)"
+            )
+        if start < self.fed:  # the target recomputed rows the head had: take them again
+            self.fed, self.pending = start, []
+        elif start < have:  # rows past `start` were recomputed: keep those before it
+            self.pending = [self._take_pending()[: start - self.fed]]
+        self.pending.append(features)
+        self.n_pending = start - self.fed + features.shape[0]
+
+    def _take_pending(self) -> torch.Tensor:
+        """The pending features as one (n_pending, F) tensor."""
+        rows = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+        self.pending = [rows]
+        return rows
+
+    def _feed(self, features: torch.Tensor) -> torch.Tensor:
+        """Runs the head over positions [fed, fed + n) with the target's features there and
+        the committed tokens one ahead -> out_hidden of the last row (1, H)."""
+        pos, n = self.fed, features.shape[0]
+        tokens = torch.tensor(self.committed[pos + 1 : pos + 1 + n], device=self.device)
+        hidden = self.fast("fc", features.to(self.head.fc.weight.dtype))  # (n, H)
+        return self._step(hidden, tokens)[-1:]
+
+    def _step(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """hidden (T, H), tokens (T,) at positions [cache.length, +T) -> out_hidden (T, H);
+        appends T positions to the head's cache."""
+        pos, T = self.cache.length, hidden.shape[0]
+        if pos + T > self.cache.max_length:
+            raise ValueError(f"the EAGLE drafter's cache holds {self.cache.max_length} positions")
+        cos, sin = self.head.rope(pos + T)
+        cos, sin = cos[pos : pos + T, None, :], sin[pos : pos + T, None, :]
+        c = self.head.config
+        g = c.num_attention_heads // c.num_key_value_heads
+        mask = None
+        if T > 1:
+            mask = torch.ones(T, pos + T, dtype=torch.bool, device=self.device).tril_(pos)
+            mask = mask.repeat(g, 1)
+
+        def attend(q, k, v):  # q (Hkv, g*T, hd); k, v (Hkv, T, hd)
+            k_all, v_all = self.cache.write(0, pos, k, v)
+            return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+        out = self.head.layer(hidden, tokens, cos, sin, attend, self.fast)
+        self.cache.length = pos + T
+        return out
+
+    def _draft(self, k: int) -> list[int]:
+        """Re-feeds the pending real rows, then drafts up to k tokens."""
+        rows = self._take_pending()
+        self.cache.rollback(self.fed)  # forget last round's drafts
+        hidden = self._feed(rows)
+        self.fed, self.pending, self.n_pending = self.fed + rows.shape[0], [], 0
+        drafts, qs, confidences = [], [], []
+        for i in range(k):
+            logits = self.head.logits(hidden, self.fast).float()  # (1, Vd)
+            row, q = self._choose(logits)
+            token = self.target_ids[row]  # (1,)
+            drafts.append(token)
+            if q is not None:
+                qs.append(q)
+            if self.auto is not None:
+                confidences.append(_probability(logits, q, row))  # one host sync per step
+                if not self.auto.keep_drafting(confidences):
+                    break
+            if i + 1 < k:
+                hidden = self._step(hidden, token)
+        self.confidences = confidences
+        self.draft_probs = self._to_target(torch.cat(qs)) if qs else None
+        return torch.cat(drafts).tolist()
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft row (1,) from logits (1, Vd), and the q (1, Vd) it was drawn from."""
+        if self.greedy:
+            return logits.argmax(dim=-1), None
+        q = logits_to_probs(logits, **self.sampling)
+        return torch.multinomial(q, 1, generator=self.generator)[0], q
+
+    def _to_target(self, q: torch.Tensor) -> torch.Tensor:
+        """(k, Vd) over the draft vocabulary -> (k, V) over the target's, zeros elsewhere."""
+        full = q.new_zeros(q.shape[0], self.vocab_size)
+        return full.index_copy_(1, self.target_ids, q)
+
+
+def _probability(logits: torch.Tensor, q: torch.Tensor | None, row: torch.Tensor) -> float:
+    if q is not None:
+        return float(q[0, row])
+    return float(torch.softmax(logits[0], dim=-1)[row])
+
+
+class EagleNgramDraft(EagleDraft):
+    """CombinedDrafter(head): the n-gram where the context repeats, the head elsewhere. Auto k
+    picks the source each round (AutoK.choose_source, as CombinedDraft); a fixed k drafts with
+    the n-gram when its match is at least `min_match` tokens. While the n-gram drafts, the
+    head's pending features pile up and are fed in one pass the next time it drafts."""
+
+    def __init__(self, combined, target, fixed_k, max_length):
+        super().__init__(combined.model, target, fixed_k, max_length)
+        self.ngram, self.min_match = combined.ngram, combined.min_match
+
+    def extend(self, tokens) -> None:
+        super().extend(tokens)
+        self.ngram.extend(tokens)
+
+    def propose(self, budget: int) -> Proposal:
+        match = self.ngram.match_length
+        if self.auto is None:
+            use_ngram, k = match >= self.min_match, self.fixed_k
+        else:
+            use_ngram, k = self.auto.choose_source(match)
+            if k and not use_ngram:
+                k = self.auto.max_draft_k  # the head stops itself (keep_drafting)
+        k = min(k, budget)
+        if k > 0 and use_ngram:
+            tokens = list(self.ngram.propose(k))[:k]
+            if tokens:
+                return Proposal(tokens, None, match)
+        if k <= 0 or not self.n_pending:
+            return Proposal([], evidence=match if use_ngram else None)
+        tokens = self._draft(k)
+        return Proposal(tokens, self.draft_probs, None, list(self.confidences))
+
+    def rollback(self, kept) -> None:
+        super().rollback(kept)
+        self.ngram.reset()
+        self.ngram.extend(self.committed)
+
+
+def eagle_drafter(drafter, target, fixed_k: int | None, max_length: int) -> EagleDraft:
+    """make_drafter's EAGLE case: "eagle" (the default model's shipped head), "eagle:PATH", an
+    EagleHead, or a CombinedDrafter of an EagleHead (with the n-gram)."""
+    from specfast.draft import CombinedDrafter
+
+    if isinstance(drafter, CombinedDrafter):
+        return EagleNgramDraft(drafter, target, fixed_k, max_length)
+    if isinstance(drafter, str):
+        path = drafter.partition(":")[2] or None
+        if path is None and not eagle.DEFAULT_HEAD.is_dir():
+            raise ValueError(
+                f'drafter="eagle" uses the head shipped for SmolLM2-135M-Instruct at '
+                f"{eagle.DEFAULT_HEAD}, which is not there; pass a head from "
+                "specfast.load_eagle(path, model) or drafter='eagle:PATH'"
+            )
+        drafter = load_eagle(path, target)
+    return EagleDraft(drafter, target, fixed_k, max_length)
