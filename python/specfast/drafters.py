@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import torch
 
 from specfast._core import NgramDrafter
-from specfast.autok import AutoK
+from specfast.autok import AutoK, shared_pass_costs
 
 
 @dataclass
@@ -243,7 +243,16 @@ def make_drafter(
 ) -> Drafter:
     """The protocol object for generate()'s `drafter` argument: "ngram", None, an NgramDrafter
     (or any object with extend/propose), a draft model, a CombinedDrafter, or an EAGLE head
-    ("eagle", "eagle:PATH", an EagleHead from load_eagle)."""
+    ("eagle", "eagle:PATH", an EagleHead from load_eagle). Its auto k starts from the pass
+    costs earlier calls measured on this target (autok.shared_pass_costs)."""
+    made = _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids)
+    auto = getattr(made, "auto", None)
+    if auto is not None:
+        auto.use_pass_costs(shared_pass_costs(target))
+    return made
+
+
+def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids) -> Drafter:
     from specfast.draft import CombinedDrafter, DraftModelDrafter
     from specfast.eagle import EagleHead
     from specfast.eagle_draft import eagle_drafter
