@@ -7,7 +7,7 @@ set of weights can serve several independent sequences (the target can be its ow
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -339,11 +339,16 @@ class Model(nn.Module):
         pos: int,
         last_only: bool = False,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        aux_layers: Sequence[int] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids (T,) at positions [pos, pos+T), cache holding [0, pos) -> logits (T, V), model dtype
         ((1, V) with last_only: a prefill needs only the last row, and the vocabulary projection
         is a fifth of a small model's work per token). `head` (e.g. an OutputRows) replaces the
         vocabulary projection: hidden (T, D) -> logits (T, S).
+
+        With `aux_layers` (layer ids, checked by the caller) -> (logits, features (T, n*D)): the
+        residual stream entering each of those layers, concatenated in the order given, for all
+        T rows even with last_only (an EAGLE-3 head reads them; vLLM's aux hidden states).
 
         Writes the T new keys/values into the cache; does not move its length. Shapes follow the
         context: the eager path, for prefill and for CPU decoding.
@@ -365,10 +370,13 @@ class Model(nn.Module):
             return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
         packed = self.packed_weights()
-        x = self._layers(self.embed(ids), cos, sin, attend, packed)
-        if last_only:
-            x = x[-1:]
-        return self._head(x, head, packed)
+        if aux_layers is None:
+            x = self._layers(self.embed(ids), cos, sin, attend, packed)
+            return self._head(x[-1:] if last_only else x, head, packed)
+        aux: dict = dict.fromkeys(aux_layers)
+        x = self._layers(self.embed(ids), cos, sin, attend, packed, aux)
+        features = torch.cat([aux[i] for i in aux_layers], dim=-1)  # (T, n*D)
+        return self._head(x[-1:] if last_only else x, head, packed), features
 
     def forward_static(
         self,
@@ -405,12 +413,15 @@ class Model(nn.Module):
         logits = self._head(x, None, packed)
         return logits, logits.argmax(dim=-1)
 
-    def _layers(self, x, cos, sin, attend, packed) -> torch.Tensor:
-        """x (T, D) through every layer; `attend(i, q, k, v)` stores k, v and attends."""
+    def _layers(self, x, cos, sin, attend, packed, aux=None) -> torch.Tensor:
+        """x (T, D) through every layer; `attend(i, q, k, v)` stores k, v and attends. `aux`
+        (layer id -> None) gets the residual stream entering each of its layers."""
         c = self.config
         T, H, Hkv, hd = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
         g = H // Hkv
         for i, layer in enumerate(self.layers):
+            if aux is not None and i in aux:
+                aux[i] = x  # (T, D): the input of layer i = the output of layer i - 1
             pw = packed[i] if packed else (None,) * 4
             h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps)
             qkv = _linear(h, layer.wqkv.weight, pw[0], layer.wqkv.bias)  # (T, (H + 2Hkv) * hd)
@@ -476,6 +487,28 @@ def check_ids(ids, device, vocab_size: int, length: int, max_length: int) -> Non
         raise ValueError(f"token ids must be in [0, {vocab_size}), got [{lo}, {hi}]")
 
 
+def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default target layers for an n-layer model: (2, n // 2, n - 3), as vLLM."""
+    return 2, n_layers // 2, n_layers - 3
+
+
+def check_aux_layers(features, n_layers: int) -> tuple[int, ...] | None:
+    """A decoder's `features` argument -> layer ids, or None when no features are asked for.
+    True means default_aux_layers; otherwise a non-empty sequence of ints in [0, n_layers)."""
+    if features is None or features is False:
+        return None
+    ids = default_aux_layers(n_layers) if features is True else features
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
+        raise TypeError(f"features must be True or a sequence of layer ids, got {features!r}")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers:
+            raise ValueError(
+                f"feature layer ids must be ints in [0, {n_layers}) for this {n_layers}-layer "
+                f"model (the input of that layer), got {list(ids)}"
+            )
+    return tuple(ids)
+
+
 class Decoder:
     """A static, preallocated KV cache over `model`, plus the length of what it holds.
 
@@ -512,27 +545,42 @@ class Decoder:
         ids: torch.Tensor,
         last_only: bool = False,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        features: Sequence[int] | bool | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids (T,) LongTensor on the model's device -> float32 logits (T, V), or (1, V) for the
-        last position only, or over `head`'s tokens only; appends T tokens."""
+        last position only, or over `head`'s tokens only; appends T tokens.
+
+        `features` (target layer ids, or True for `default_aux_layers`) -> (logits, features):
+        features (T, n*D) in the model dtype, the residual stream entering those layers for
+        every row, from the same pass (see Model.forward)."""
         m = self.model
         check_ids(ids, m.device, m.vocab_size, self.cache.length, self.max_length)
-        if self._is_static(ids, last_only, head):
+        aux = check_aux_layers(features, m.config.n_layers)
+        # The compiled step returns no hidden states: a pass that wants them runs eager.
+        if aux is None and self._is_static(ids, last_only, head):
             return self._static(ids)[0].float()
         T, pos = ids.shape[0], self.cache.length
         with torch.inference_mode():
-            logits = m(ids.long(), self.cache, pos, last_only, head)
+            out = m(ids.long(), self.cache, pos, last_only, head, aux)
         self.cache.length = pos + T
-        return logits.float()
+        if aux is None:
+            return out.float()
+        return out[0].float(), out[1]
 
-    def forward_greedy(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward_greedy(
+        self, ids: torch.Tensor, features: Sequence[int] | bool | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ids (T,) -> (T,) the argmax token of each row, left on the device (computed inside
-        the compiled step when there is one); appends T tokens."""
+        the compiled step when there is one); appends T tokens. With `features`: (argmax ids,
+        features (T, n*D)), as forward."""
         m = self.model
-        check_ids(ids, m.device, m.vocab_size, self.cache.length, self.max_length)
-        if self._is_static(ids, False, None):
-            return self._static(ids)[1]
-        return self.forward(ids).argmax(dim=-1)
+        if features is None or features is False:
+            check_ids(ids, m.device, m.vocab_size, self.cache.length, self.max_length)
+            if self._is_static(ids, False, None):
+                return self._static(ids)[1]
+            return self.forward(ids).argmax(dim=-1)
+        logits, feats = self.forward(ids, features=features)
+        return logits.argmax(dim=-1), feats
 
     def _is_static(self, ids, last_only, head) -> bool:
         from .steps import BUCKETS
