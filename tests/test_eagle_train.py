@@ -265,3 +265,41 @@ def test_saved_head_has_specforge_layout(captured, tmp_path):
     assert t["fc.weight"].dtype == torch.bfloat16
     ids = torch.arange(64) + t["d2t"]
     assert torch.equal(t["t2d"].nonzero()[:, 0], ids)  # d2t and t2d name the same tokens
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def test_train_eagle_command_end_to_end(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from conftest import write_tiny_gguf
+
+    from specfast.cli import main
+
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    gguf = write_tiny_gguf(hf, tmp_path / "tiny.gguf")
+    out = tmp_path / "head"
+    args = ["train-eagle", "--target", str(gguf), "--out", str(out), "--dtype", "float32"]
+    args += ["--steps", "3", "--docs-per-step", "2", "--max-prompts", "6", "--draft-vocab", "40"]
+    args += ["--max-new-tokens", "8", "--corpus-tokens", "400", "--max-len", "48"]
+    args += ["--eval-every", "3", "--ttt-steps", "2"]
+    assert main(args) == 0
+    record = json.loads((out / "data" / "captured" / "done.json").read_text())
+    assert record["prompts"] == 6 and 0 < record["corpus_tokens"] <= 400 + 48
+    answers = ed.read_jsonl(out / "data" / "answers.jsonl")
+    assert len(answers) == 6 and all(0 < len(a["answer_ids"]) <= 8 for a in answers)
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 40
+    info = json.loads((out / "training.json").read_text())
+    assert [p["step"] for p in info["curve"]] == [0, 3]
+    assert "| 3 |" in (out / "TRAINING.md").read_text()
+    # a second run reuses the data and continues from the checkpoint
+    assert (
+        main([*args[:-4], "--eval-every", "3", "--ttt-steps", "2", "--steps", "3", "--resume"]) == 0
+    )

@@ -29,17 +29,17 @@ import ast
 import json
 import random
 import sys
-import time
 import sysconfig
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from specfast import workloads
+from specfast.model import default_aux_layers  # noqa: F401  (what capture's callers pass)
 
 # ---------------------------------------------------------------------------- the split
 
@@ -492,53 +492,22 @@ def target_features(model, ids: torch.Tensor, aux_layers) -> tuple[torch.Tensor,
     """One teacher-forced forward of a fresh sequence `ids` (T,) -> (features (T, 3*D): the
     residual stream entering each aux layer, concatenated; normed (T, D): the final normed
     hidden state, whose product with the output rows gives the target's logits; argmax (T,):
-    the target's top token over the whole vocabulary). Model dtype.
+    the target's top token over the whole vocabulary). Features and normed in the model dtype.
 
-    The same arithmetic as Model.forward (the loop of Model._layers, repeated here to read the
-    residual stream between layers without editing model.py).
+    The pass is the decoder's own (Decoder.forward with features=), its vocabulary projection
+    replaced by the identity so the normed hidden state comes out, then projected here as
+    Model._head would (same weights, same packing).
     """
     from specfast.model import _linear
 
-    c = model.config
-    T, H, Hkv, hd = ids.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
-    g = H // Hkv
-    cos, sin = model.rope(T)
-    cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, hd)
-    mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril_().repeat(g, 1)
+    decoder = model.decoder(len(ids))
+    normed, feats = decoder.forward(ids, head=lambda x: x, features=list(aux_layers))
+    normed = normed.to(model.dtype)  # forward returns float32; the cast back is exact
     packed = model.packed_weights()
-    feats = []
-    with torch.no_grad():  # not inference_mode: the outputs feed training
-        x = model.embed(ids)  # (T, D)
-        for i, layer in enumerate(model.layers):
-            if i in aux_layers:
-                feats.append(x)
-            pw = packed[i] if packed else (None,) * 4
-            h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps)
-            qkv = _linear(h, layer.wqkv.weight, pw[0], layer.wqkv.bias)
-            qk = qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd)
-            v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
-            x1, x2 = qk.chunk(2, dim=-1)
-            qk = qk * cos + torch.cat([-x2, x1], dim=-1) * sin
-            q, k = qk.split([H, Hkv], dim=1)
-            q = q.transpose(0, 1).reshape(Hkv, g * T, hd)
-            y = F.scaled_dot_product_attention(
-                q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
-            )  # (Hkv, g*T, hd)
-            y = y.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
-            x = x + _linear(y, layer.wo.weight, pw[1])
-            h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
-            gate, up = _linear(h, layer.w_gate_up.weight, pw[2]).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, layer.w_down.weight, pw[3])
-        normed = F.rms_norm(x, (c.dim,), model.norm, c.norm_eps)
+    with torch.no_grad():
         logits = _linear(normed, model.output_weight, packed[-1] if packed else None)
-        order = {a: j for j, a in enumerate(sorted(set(aux_layers)))}
-        feats = torch.cat([feats[order[a]] for a in aux_layers], dim=-1)
-    return feats, normed, logits.argmax(dim=-1)
-
-
-def default_aux_layers(n_layers: int) -> list[int]:
-    """vLLM's default: [2, L // 2, L - 3]."""
-    return [2, n_layers // 2, n_layers - 3]
+    # inference tensors (the decoder runs in inference mode) -> plain ones for training
+    return feats.clone(), normed.clone(), logits.argmax(dim=-1)
 
 
 def capture(

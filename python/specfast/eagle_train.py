@@ -392,6 +392,7 @@ def train(
         head = TrainHead(ckpt["head_config"])
         head.load_state_dict(ckpt["head"])
         start, curve, seen = ckpt["step"], ckpt["curve"], ckpt["tokens"]
+        before = ckpt.get("seconds", 0.0)
     else:
         counts = data.token_counts(target.vocab_size, train_docs)
         d2t, t2d = draft_vocabulary(counts, cfg.draft_vocab_size)
@@ -399,6 +400,7 @@ def train(
         head = init_head(target, config, d2t, t2d, cfg.seed)
         coverage = float(counts[t2d].sum()) / max(int(counts.sum()), 1)
         start, curve, seen = 0, [{"step": 0, "tokens": 0, "draft_coverage": round(coverage, 4)}], 0
+        before = 0.0
     out_rows = target.output_weight.detach()[head.draft_ids].float()
     opt = torch.optim.AdamW(
         head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
@@ -412,7 +414,8 @@ def train(
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save(
             {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "tokens": seen,
-             "curve": curve, "cfg": asdict(cfg), "head_config": head.config},
+             "curve": curve, "cfg": asdict(cfg), "head_config": head.config,
+             "seconds": before + time.perf_counter() - t0},
             tmp,
         )  # fmt: skip
         tmp.replace(ckpt_path)
@@ -453,7 +456,7 @@ def train(
             point = {
                 "step": step + 1,
                 "tokens": seen,
-                "seconds": round(time.perf_counter() - t0, 1),
+                "seconds": round(before + time.perf_counter() - t0, 1),
                 "train_loss": round(window["loss"] / window["positions"], 4),
                 **{"train_" + k: v for k, v in summ.items()},
                 **evaluate(head, data, val_docs, embed, out_rows, cfg),
@@ -596,6 +599,7 @@ def train_eagle(
     dtype: str = "auto",
     resume: bool = False,
     log=sys.stderr,
+    command: str | None = None,
     **data_options,
 ) -> TrainHead:
     """`specfast train-eagle`: the target answers the training prompts, one forward per
@@ -609,4 +613,54 @@ def train_eagle(
     data_dir = data_dir or out_dir / "data"
     record = make_data(target, data_dir, aux, seed=cfg.seed, log=log, **data_options)
     print(f"data: {json.dumps(record)}", file=log, flush=True)
-    return train(target, data_dir / "captured", out_dir, cfg, aux, resume=resume, log=log)
+    t0 = time.perf_counter()
+    head = train(target, data_dir / "captured", out_dir, cfg, aux, resume=resume, log=log)
+    command = " ".join(["specfast", *sys.argv[1:]]) if command is None else command
+    write_record(out_dir, record, cfg, time.perf_counter() - t0, command)
+    return head
+
+
+def write_record(out_dir: Path, record: dict, cfg: TrainConfig, seconds: float, command: str):
+    """training.json (everything) and TRAINING.md (the table a reader wants) next to the head."""
+    curve = (
+        json.loads((out_dir / "curve.json").read_text())
+        if (out_dir / "curve.json").is_file()
+        else []
+    )
+    last = curve[-1] if curve else {}
+    seconds = last.get("seconds", seconds)  # counts every resumed leg
+    info = {
+        "command": command,
+        "data": record,
+        "train": asdict(cfg),
+        "train_seconds": round(seconds, 1),
+        "trained_positions": last.get("tokens", 0),
+        "curve": curve,
+    }
+    (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    lines = [
+        "# How this head was trained",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"- data: {record.get('prompts', 0)} prompts answered by the target "
+        f"({record.get('answer_tokens', 0)} answer tokens), {record.get('corpus_tokens', 0)} "
+        f"corpus tokens teacher-forced; {record.get('positions', 0)} captured positions "
+        f"(target dtype {record.get('target_dtype')}, aux layers {record.get('aux_layers')})",
+        f"- training: {cfg.steps} steps x {cfg.docs_per_step} documents, TTT steps "
+        f"{cfg.ttt_steps}, lr {cfg.lr}, draft vocabulary {cfg.draft_vocab_size}, seed {cfg.seed}; "
+        f"{last.get('tokens', 0)} positions trained in {seconds / 60:.1f} min",
+        "",
+        "tau is 1 + the mean run of steps whose top-1 agrees with the target's (an estimate of",
+        "the mean acceptance length at k = TTT steps, greedy), on held-out captured documents.",
+        "",
+        "| step | positions trained | val loss | val top-1 agreement per step | val tau |",
+        "|---:|---:|---:|---|---:|",
+    ]
+    for p in curve:
+        acc = ", ".join(f"{a:.3f}" for a in p.get("val_acc", []))
+        lines.append(
+            f"| {p['step']} | {p['tokens']} | {p.get('val_loss', '')} | {acc} | "
+            f"{p.get('val_tau', '')} |"
+        )
+    (out_dir / "TRAINING.md").write_text("\n".join(lines) + "\n")
