@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_transformers
 
 from specfast.model import Model, ModelConfig, default_aux_layers
-
-from conftest import needs_transformers
 
 # ----------------------------------------------------------------------------
 # the target's aux features

@@ -2,6 +2,7 @@
 
 from specfast._core import NgramDrafter
 from specfast.draft import CombinedDrafter
+from specfast.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
 from specfast.generate import GenerateOutput, GenerationStats, generate
 from specfast.hf import HFDecoder
 from specfast.llama_cpp import LlamaDecoder
@@ -16,6 +17,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CombinedDrafter",
     "Decoder",
+    "EagleConfig",
+    "EagleHead",
     "GenerateOutput",
     "GenerationStats",
     "HFDecoder",
@@ -30,7 +33,9 @@ __all__ = [
     "accept_sampled_torch",
     "default_model_path",
     "generate",
+    "load_eagle",
     "load_model",
     "logits_to_probs",
     "make_decoder",
+    "save_eagle",
 ]

@@ -1,0 +1,773 @@
+"""EAGLE-3 heads: a one-layer drafter that reads the target's own hidden states.
+
+The head's layout is SpecForge's export (`LlamaForCausalLMEagle3`), which SGLang and vLLM load:
+config.json + model.safetensors with the tensors named below (an optional `model.` prefix is
+accepted). `EagleHead.state_dict()` keys are exactly those names.
+
+One step over T positions (`EagleHead.layer`):
+
+    x = cat(input_layernorm(embed(tokens)), hidden_norm(hidden))      # (T, 2H)
+    x = hidden + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))    # causal, RoPE
+    x = x + down_proj(silu(gate_proj(n)) * up_proj(n)), n = post_attention_layernorm(x)
+    out_hidden = x; logits over the draft vocabulary = lm_head(norm(x))
+
+At position t the head reads hidden = fc(features of target position t) with token t + 1 and
+predicts token t + 2. The features are the residual stream entering three target layers
+(`aux_layers`), concatenated. Drafting step j > 0 reads the head's own out_hidden of the step
+before with the token it just drafted, one position further. Draft id i is target id
+i + d2t[i]; the draft's q over the target vocabulary is zero outside the draft vocabulary.
+
+The drafter (`EagleDraft`) is in this file too; generate.py hands it the target's features of
+every row the target keeps (drafters.py, `wants_features`).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specfast.autok import AutoK
+from specfast.drafters import Proposal, Verified, _Base
+from specfast.kv_cache import KVCache
+from specfast.model import Model, default_aux_layers, resolve_dtype, rope_inv_freq
+from specfast.sampling import logits_to_probs
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+PICKLES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth", "pytorch_model.pt")
+DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct"
+
+
+# ----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class EagleConfig:
+    """config.json of an EAGLE-3 head (SpecForge / vLLM names in `from_dict` / `to_dict`)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int | None = None  # None: hidden_size
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    aux_layers: tuple[int, ...] | None = None  # None: (2, L // 2, L - 3) of the target
+    extra: dict = field(default_factory=dict, repr=False)  # other config.json keys, kept
+
+    def __post_init__(self):
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
+        names = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+        names += ("intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size")
+        for name in (*names, "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"EAGLE config: {name} must be a positive int, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"EAGLE config: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"EAGLE config: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"EAGLE config: draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size "
+                f"({self.vocab_size})"
+            )
+        if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
+            raise ValueError("EAGLE config: rope_theta and rms_norm_eps must be positive")
+        if self.aux_layers is not None:
+            ids = self.aux_layers
+            if not isinstance(ids, (list, tuple)) or len(ids) != 3:
+                raise ValueError(f"EAGLE config: 3 aux layer ids expected, got {ids!r}")
+            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+                raise ValueError(f"EAGLE config: aux layer ids must be ints >= 0, got {ids!r}")
+            self.aux_layers = tuple(ids)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EagleConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"EAGLE config must be a JSON object, got {type(d).__name__}")
+        known = {
+            "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "draft_vocab_size", "target_hidden_size", "head_dim", "rms_norm_eps",
+            "rope_theta", "rope_scaling", "max_position_embeddings",
+        }  # fmt: skip
+        missing = [k for k in ("hidden_size", "num_attention_heads", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"EAGLE config.json lacks {missing}")
+        kw = {k: d[k] for k in known if d.get(k) is not None}
+        kw.setdefault("num_key_value_heads", d["num_attention_heads"])
+        kw.setdefault("intermediate_size", 4 * d["hidden_size"])
+        kw.setdefault("draft_vocab_size", d["vocab_size"])
+        eagle = d.get("eagle_config") or {}
+        aux = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"EAGLE config: only hidden_act 'silu' is supported, got {d['hidden_act']!r}"
+            )
+        if d.get("num_hidden_layers", 1) != 1:
+            raise ValueError(
+                f"EAGLE config: num_hidden_layers must be 1, got {d['num_hidden_layers']!r}"
+            )
+        extra = {k: v for k, v in d.items() if k not in known}
+        return cls(**kw, aux_layers=aux, extra=extra)
+
+    def to_dict(self) -> dict:
+        d = dict(self.extra)
+        d.update(
+            architectures=[ARCHITECTURE],
+            model_type="llama",
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            hidden_act="silu",
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            draft_vocab_size=self.draft_vocab_size,
+            target_hidden_size=self.target_hidden_size,
+            num_hidden_layers=1,
+            tie_word_embeddings=False,
+        )
+        if self.aux_layers is not None:
+            eagle = dict(d.get("eagle_config") or {})
+            eagle["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layers)
+            d["eagle_config"] = eagle
+        return d
+
+    @classmethod
+    def for_target(cls, target: Model, draft_vocab_size: int | None = None, **kw) -> EagleConfig:
+        """A head shaped like the target's layers (hidden size, heads, RoPE), as SpecForge's
+        configs are; keyword arguments override."""
+        c = target.config
+        base = dict(
+            hidden_size=c.dim,
+            num_attention_heads=c.n_heads,
+            num_key_value_heads=c.n_kv_heads,
+            head_dim=c.head_dim,
+            intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=draft_vocab_size or c.vocab_size,
+            target_hidden_size=c.dim,
+            rms_norm_eps=c.norm_eps,
+            rope_theta=c.rope_theta,
+            rope_scaling=c.rope_scaling,
+            max_position_embeddings=c.max_context,
+            aux_layers=default_aux_layers(c.n_layers),
+        )
+        base.update(kw)
+        return cls(**base)
+
+
+# ----------------------------------------------------------------------------
+# the head
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class EagleHead(nn.Module):
+    """An EAGLE-3 head. `embed_tokens` is its own only when the file has one; otherwise the
+    target's embedding is used (`bind_embedding`). `aux_layers` says which target layers feed it.
+
+    Buffers: d2t (Vd,) int64 and t2d (V,) bool, as SpecForge. `target_ids` (Vd,) = arange + d2t.
+    """
+
+    def __init__(self, config: EagleConfig, own_embedding: bool = False):
+        super().__init__()
+        c = self.config = config
+        H, hd, Vd = c.hidden_size, c.head_dim, c.draft_vocab_size
+        self.fc = nn.Linear(3 * c.target_hidden_size, H, bias=False)
+        mid = self.midlayer = nn.Module()
+        mid.input_layernorm = RMSNorm(H, c.rms_norm_eps)
+        mid.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        mid.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+        attn = mid.self_attn = nn.Module()
+        attn.q_proj = nn.Linear(2 * H, c.num_attention_heads * hd, bias=False)
+        attn.k_proj = nn.Linear(2 * H, c.num_key_value_heads * hd, bias=False)
+        attn.v_proj = nn.Linear(2 * H, c.num_key_value_heads * hd, bias=False)
+        attn.o_proj = nn.Linear(c.num_attention_heads * hd, H, bias=False)
+        mlp = mid.mlp = nn.Module()
+        mlp.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        mlp.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        mlp.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+        self.norm = RMSNorm(H, c.rms_norm_eps)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.embed_tokens = nn.Embedding(c.vocab_size, H) if own_embedding else None
+        self._shared_embed: torch.Tensor | None = None  # the target's (V, H), not saved
+        self._rope: dict = {}
+
+    # -- vocabulary and embedding
+
+    @property
+    def aux_layers(self) -> tuple[int, ...] | None:
+        return self.config.aux_layers
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """(Vd,) the target token of each draft id."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, target_ids) -> None:
+        """Sets d2t and t2d from the target ids of the draft vocabulary, in draft-id order."""
+        ids = torch.as_tensor(target_ids, dtype=torch.int64, device=self.d2t.device)
+        check_vocab_maps(ids - torch.arange(len(ids), device=ids.device), None, self.config)
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def bind_embedding(self, weight: torch.Tensor) -> EagleHead:
+        """Uses the target's embedding (V, H) when the head has none of its own."""
+        c = self.config
+        if tuple(weight.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(
+                f"the target's embedding is {tuple(weight.shape)} but this head needs "
+                f"({c.vocab_size}, {c.hidden_size}); a head without embed_tokens must have the "
+                "target's hidden size"
+            )
+        self._shared_embed = weight.detach()  # a plain tensor: not a parameter of the head
+        return self
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            return self.embed_tokens(tokens)
+        if self._shared_embed is None:
+            raise ValueError("this head has no embed_tokens: bind the target's (bind_embedding)")
+        return F.embedding(tokens, self._shared_embed).to(self.fc.weight.dtype)
+
+    # -- rope
+
+    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(length, head_dim) cos and sin in the head's dtype, cached."""
+        key = (self.fc.weight.device, self.fc.weight.dtype)
+        cached = self._rope.get(key)
+        if cached is None or cached[0].shape[0] < length:
+            n = max(length, 2 * cached[0].shape[0] if cached else 256)
+            c = self.config
+            spec = types.SimpleNamespace(
+                head_dim=c.head_dim, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, extra={}
+            )
+            # Normal tensors even when first asked for under inference_mode, so training can
+            # use them too; float32, then cast, as the target's tables are.
+            with torch.inference_mode(False):
+                pos = torch.arange(n, dtype=torch.float64)
+                freqs = torch.outer(pos, rope_inv_freq(spec)).float()
+                emb = torch.cat([freqs, freqs], dim=-1)  # (n, hd), rotate-half layout
+                cached = (emb.cos().to(*key), emb.sin().to(*key))
+            self._rope[key] = cached
+        return cached
+
+    def _apply(self, fn, *args, **kwargs):
+        self._rope = {}
+        out = super()._apply(fn, *args, **kwargs)
+        if self._shared_embed is not None:
+            self._shared_embed = fn(self._shared_embed)
+        return out
+
+    # -- forward
+
+    def layer(self, hidden, tokens, cos, sin, attend) -> torch.Tensor:
+        """hidden (..., T, H), tokens (..., T), cos/sin (..., T, 1, hd) at the rows' positions;
+        `attend(q, k, v)` with q (..., Hkv, g*T, hd), k and v (..., Hkv, T, hd) -> (..., Hkv,
+        g*T, hd). -> out_hidden (..., T, H)."""
+        c, mid = self.config, self.midlayer
+        attn = mid.self_attn
+        H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        g, T, lead = H // Hkv, hidden.shape[-2], hidden.shape[:-2]
+        x = torch.cat([mid.input_layernorm(self.embed(tokens)), mid.hidden_norm(hidden)], dim=-1)
+        q = attn.q_proj(x).view(*lead, T, H, hd)
+        k = attn.k_proj(x).view(*lead, T, Hkv, hd)
+        v = attn.v_proj(x).view(*lead, T, Hkv, hd)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # (..., T, H, hd) -> (..., Hkv, g*T, hd): query head h uses kv head h // g
+        q = q.transpose(-3, -2).reshape(*lead, Hkv, g * T, hd)
+        y = attend(q, k.transpose(-3, -2), v.transpose(-3, -2))  # (..., Hkv, g*T, hd)
+        y = y.reshape(*lead, H, T, hd).transpose(-3, -2).reshape(*lead, T, H * hd)
+        x = hidden + attn.o_proj(y)
+        n = mid.post_attention_layernorm(x)
+        mlp = mid.mlp
+        return x + mlp.down_proj(F.silu(mlp.gate_proj(n)) * mlp.up_proj(n))
+
+    def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """(..., T, H) -> (..., T, Vd) over the draft vocabulary."""
+        return self.lm_head(self.norm(out_hidden))
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        k_prev: torch.Tensor | None = None,
+        v_prev: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step over whole sequences, for training (and tests).
+
+        hidden (B, T, H) or (T, H): fc(target features) for step 0, the previous step's
+        out_hidden after; tokens (B, T) or (T,): the token each row reads (token t + 1 for
+        position t at step 0); positions (T,) or (B, T): each row's RoPE position (t + s at
+        training-time-test step s, as SpecForge and inference do).
+        k_prev, v_prev (B, Hkv, P, hd) or (Hkv, P, hd): keys/values of earlier steps, already
+        rotated (the `k`, `v` this returned before, concatenated along P).
+        mask (T, P + T) or (B, T, P + T) bool, True = may attend, over [k_prev, the new keys];
+        default: every earlier key plus the new keys causally.
+        -> (out_hidden like hidden, logits (..., T, Vd), k, v (..., Hkv, T, hd) of the new rows).
+
+        Training-time test, step s: k_prev/v_prev = the keys of steps 0..s-1, and a mask where
+        row t sees step 0's keys at positions <= t and its own chain's keys (row t) of steps
+        1..s.
+        """
+        cos_t, sin_t = self.rope(int(positions.max()) + 1)
+        cos, sin = cos_t[positions].unsqueeze(-2), sin_t[positions].unsqueeze(-2)  # (.., T, 1, hd)
+        out_k: list[torch.Tensor] = []
+        T = hidden.shape[-2]
+        g = self.config.num_attention_heads // self.config.num_key_value_heads
+        if mask is None:
+            P = 0 if k_prev is None else k_prev.shape[-2]
+            mask = torch.ones(T, P + T, dtype=torch.bool, device=hidden.device).tril_(P)
+        # grouped queries: (..., T, S) -> (..., 1, g*T, S), the same mask for every kv head
+        mask_g = mask.repeat(*([1] * (mask.dim() - 2)), g, 1).unsqueeze(-3)
+
+        def attend(q, k, v):
+            out_k.extend([k, v])
+            if k_prev is not None:
+                k = torch.cat([k_prev, k], dim=-2)
+                v = torch.cat([v_prev, v], dim=-2)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_g)
+
+        x = self.layer(hidden, tokens, cos, sin, attend)
+        return x, self.logits(x), out_k[0], out_k[1]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, rotate-half layout; x (..., T, heads, hd), cos/sin (..., T, 1, hd)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def random_head(
+    config: EagleConfig, seed: int = 0, own_embedding: bool = False, scale: float = 1.0
+) -> EagleHead:
+    """A head with random weights (tests): N(0, 0.02 * scale) matrices, N(1, 0.1) norm gains,
+    and the draft vocabulary = the first draft_vocab_size target ids (d2t = 0)."""
+    head = EagleHead(config, own_embedding)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.02 * scale * torch.randn(p.shape, generator=g))
+        head.set_draft_vocab(range(config.draft_vocab_size))
+    return head
+
+
+# ----------------------------------------------------------------------------
+# files
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor | None, config: EagleConfig) -> None:
+    """d2t (Vd,) integer offsets mapping draft id i to target id i + d2t[i], all distinct and in
+    [0, V); t2d (V,) bool marking exactly those target ids."""
+    V, Vd = config.vocab_size, config.draft_vocab_size
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool or tuple(d2t.shape) != (Vd,):
+        raise ValueError(
+            f"d2t must be an integer tensor of shape ({Vd},) (draft_vocab_size), got "
+            f"{d2t.dtype} {tuple(d2t.shape)}"
+        )
+    ids = torch.arange(Vd, device=d2t.device) + d2t.long()
+    if Vd and (int(ids.min()) < 0 or int(ids.max()) >= V):
+        bad = int(((ids < 0) | (ids >= V)).nonzero()[0, 0])
+        raise ValueError(
+            f"d2t maps draft id {bad} to target id {int(ids[bad])}, outside the target's "
+            f"vocabulary [0, {V})"
+        )
+    if len(torch.unique(ids)) != Vd:
+        raise ValueError("d2t maps two draft ids to the same target id; each must be distinct")
+    if t2d is None:
+        return
+    if tuple(t2d.shape) != (V,):
+        raise ValueError(
+            f"t2d must have one entry per target token ({V}, vocab_size), got {tuple(t2d.shape)}"
+        )
+    marked = t2d.bool()
+    if int(marked.sum()) != Vd or not bool(marked[ids].all()):
+        raise ValueError("t2d does not mark exactly the target ids that d2t maps to")
+
+
+def save_eagle(head: EagleHead, path, dtype="bfloat16") -> Path:
+    """Writes `head` as SpecForge exports it: path/config.json + path/model.safetensors.
+
+    dtype: "bfloat16" (small, what is shipped) or "float32" for the float weights; d2t stays
+    int64 and t2d bool. A shared embedding is not written (loaders use the target's)."""
+    from safetensors.torch import save_file
+
+    dtype = resolve_dtype(dtype)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in head.state_dict().items():
+        t = t.detach().cpu()
+        if t.dtype.is_floating_point:
+            t = t.to(dtype)
+        tensors[name] = t.contiguous()
+    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(head.config.to_dict(), indent=2) + "\n")
+    return out
+
+
+def load_eagle(path=None, target=None, dtype=None) -> EagleHead:
+    """An EAGLE-3 head from SpecForge's layout (a folder with config.json + model.safetensors),
+    checked against `target` (a specfast Model) and put on its device, in its dtype (or `dtype`).
+
+    path=None is the head shipped for the default model. Pickle files (pytorch_model.bin) are
+    refused: convert them first. Errors (ValueError) name what is wrong: a missing tensor, a
+    wrong shape, d2t outside the vocabulary, a vocabulary or hidden size that is not the
+    target's, aux layer ids the target does not have.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    folder = DEFAULT_HEAD if path is None else Path(path)
+    if folder.is_file() and folder.name == WEIGHTS:
+        folder = folder.parent
+    if not folder.is_dir():
+        hint = " (the shipped head for the default model is missing)" if path is None else ""
+        raise FileNotFoundError(
+            f"no EAGLE head at {folder}{hint}: expected a folder with config.json and {WEIGHTS}"
+        )
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        pickles = [p.name for p in folder.iterdir() if p.name in PICKLES or p.suffix == ".bin"]
+        if pickles:
+            raise ValueError(
+                f"{folder}: found {pickles[0]}, a pickle file, which specfast never loads (it can "
+                "run code). Convert it once, yourself: sd = torch.load(file, weights_only=True); "
+                f"safetensors.torch.save_file(sd, '{WEIGHTS}')"
+            )
+        raise ValueError(f"{folder}: no {WEIGHTS}")
+    try:
+        config = EagleConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    except FileNotFoundError:
+        raise ValueError(f"{folder}: no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{folder / 'config.json'}: not valid JSON: {e}") from None
+    except TypeError as e:
+        raise ValueError(f"{folder / 'config.json'}: {e}") from None
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            tensors = {k.removeprefix("model."): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"{weights}: cannot read safetensors file: {e}") from None
+    head = head_from_tensors(config, tensors, target, where=str(weights))
+    if dtype is not None or target is not None:
+        dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+        head = head.to(dtype=dtype)
+    return head.to(target.device) if target is not None else head
+
+
+def head_from_tensors(config: EagleConfig, tensors: dict, target=None, where="") -> EagleHead:
+    """The head built from SpecForge-named tensors, with every check (see load_eagle)."""
+    where = f"{where}: " if where else ""
+    if target is not None:
+        check_target(target)
+        check_config_for_target(config, target)
+    own_embedding = "embed_tokens.weight" in tensors
+    head = EagleHead(config, own_embedding)
+    want = head.state_dict()
+    missing = [k for k in want if k not in tensors]
+    if missing:
+        raise ValueError(f"{where}missing tensor {missing[0]!r} (expected {sorted(want)})")
+    for k, w in want.items():
+        t = tensors[k]
+        if tuple(t.shape) != tuple(w.shape):
+            raise ValueError(
+                f"{where}tensor {k!r} has shape {tuple(t.shape)}; this config needs "
+                f"{tuple(w.shape)}"
+            )
+        if w.dtype.is_floating_point and not t.dtype.is_floating_point:
+            raise ValueError(f"{where}tensor {k!r} must be floating point, got {t.dtype}")
+    check_vocab_maps(tensors["d2t"], tensors["t2d"], config)
+    with torch.no_grad():
+        for k, w in want.items():
+            w.copy_(tensors[k].to(w.dtype))
+    if target is not None and not own_embedding:
+        head.bind_embedding(target.embed.weight)
+    return head.requires_grad_(False)
+
+
+def check_target(target) -> None:
+    """An EAGLE head drafts for specfast's own runtime only: it needs the target's hidden
+    states from the verify pass, which only that runtime returns."""
+    from specfast.hf import is_hf_model
+    from specfast.llama_cpp import is_llama
+
+    if isinstance(target, Model):
+        return
+    if is_llama(target):
+        raise ValueError(
+            "an EAGLE head needs the target's intermediate hidden states, and llama.cpp's API "
+            "does not expose them; load the model with specfast.load_model(path) instead"
+        )
+    if is_hf_model(target):
+        raise ValueError(
+            "EAGLE drafting runs on specfast's runtime, which returns the target's hidden states "
+            "from the verify pass; the transformers adapter does not. Load the checkpoint folder "
+            "with specfast.load_model(path)"
+        )
+    raise TypeError(f"the EAGLE target must be a specfast Model, got {type(target).__name__}")
+
+
+def check_config_for_target(config: EagleConfig, target: Model) -> None:
+    c = target.config
+    if config.vocab_size != c.vocab_size:
+        raise ValueError(
+            f"the EAGLE head is for a vocabulary of {config.vocab_size} tokens; the target has "
+            f"{c.vocab_size}"
+        )
+    if config.target_hidden_size != c.dim:
+        raise ValueError(
+            f"the EAGLE head reads target features of hidden size {config.target_hidden_size}; "
+            f"the target's is {c.dim}"
+        )
+    if config.aux_layers is None:
+        config.aux_layers = default_aux_layers(c.n_layers)
+    bad = [i for i in config.aux_layers if not 0 <= i < c.n_layers]
+    if bad:
+        raise ValueError(
+            f"the EAGLE head reads target layers {list(config.aux_layers)}; the target has "
+            f"{c.n_layers} layers (ids 0..{c.n_layers - 1})"
+        )
+
+
+# ----------------------------------------------------------------------------
+# the drafter
+
+
+class EagleDraft(_Base):
+    """Drafts a chain with an EAGLE-3 head (generate(..., drafter=head)).
+
+    The head's static KV cache holds positions [0, fed) computed from the target's real
+    features; positions past it are this round's drafts. After each verify the round hands over
+    the features of the rows the target kept (`Verified.features`); the next proposal rolls the
+    cache back to `fed` and re-feeds those positions with them, in one head pass whose last row
+    gives the first draft. So accepted drafts are re-read with the target's features, never the
+    head's own guesses.
+
+    q (sampling): the head's draft-vocabulary logits filtered as the target's
+    (logits_to_probs), the draft sampled from that, and q scattered to target ids via d2t with
+    zeros elsewhere, so the acceptance rule sees the very distribution the draft came from.
+    Auto k: up to AutoK's `max_draft_k` steps, stopped by `keep_drafting` on the calibrated
+    probabilities the head gave its drafts, as a draft model's are.
+    """
+
+    wants_features = True
+
+    def __init__(self, head: EagleHead, target: Model, fixed_k: int | None, max_length: int):
+        check_target(target)
+        check_config_for_target(head.config, target)
+        if head.embed_tokens is None and head._shared_embed is None:
+            head.bind_embedding(target.embed.weight)
+        self.head = head
+        self.feature_layers: tuple[int, ...] = tuple(head.aux_layers or ())
+        self.fixed_k = fixed_k
+        self.auto = AutoK() if fixed_k is None else None
+        w = head.fc.weight
+        self.device = w.device
+        c = head.config
+        self.cache = KVCache(1, c.num_key_value_heads, max_length, c.head_dim, w.device, w.dtype)
+        head.rope(max_length)
+        self.target_ids = head.target_ids.to(w.device)  # (Vd,)
+        self.vocab_size = c.vocab_size
+        self.committed: list[int] = []
+        self.fed = 0  # head cache positions [0, fed) hold the target's real features
+        self.pending: torch.Tensor | None = None  # features of positions [fed, ...), not fed
+        self.generator = torch.Generator(device=w.device)
+        self.greedy, self.sampling = True, {}
+        self.draft_probs: torch.Tensor | None = None
+        self.confidences: list[float] = []
+
+    # -- the protocol
+
+    def start_turn(self, seed: int, params: dict | None) -> None:
+        self.greedy = params is None or params.get("temperature", 0) == 0
+        self.sampling = dict(params or {})
+        self.generator.manual_seed(seed)
+
+    def extend(self, tokens) -> None:
+        self.committed.extend(int(t) for t in tokens)
+
+    def prefill(self, features: torch.Tensor | None = None) -> None:
+        """Takes the target's features of the rows this turn prefilled (the last len(features)
+        positions before the newest token) and feeds all but the last row into the head, so the
+        first proposal is one ordinary step."""
+        if features is None:
+            raise ValueError("the EAGLE drafter needs the target's features of the prompt")
+        start = len(self.committed) - 1 - features.shape[0]
+        self._add_features(start, features)
+        n = self.pending.shape[0] - 1 if self.pending is not None else 0
+        if n > 0:
+            self.cache.rollback(self.fed)
+            self._feed(self.pending[:n])
+            self.fed, self.pending = self.fed + n, self.pending[n:]
+
+    def propose(self, budget: int) -> Proposal:
+        k = self.fixed_k if self.auto is None else self.auto.choose_draft()
+        k = min(k, budget)
+        if k <= 0 or self.pending is None:
+            return Proposal([])
+        tokens = self._draft(k)
+        return Proposal(tokens, self.draft_probs, None, list(self.confidences))
+
+    def observe(self, proposal, n_accepted, verify_seconds, verified: Verified) -> None:
+        if verified.features is None:
+            raise ValueError("the round gave the EAGLE drafter no features")
+        self._add_features(len(self.committed) - 1, verified.features)
+        if self.auto is not None:
+            n = len(proposal.tokens)
+            self.auto.observe(n, n_accepted, verify_seconds, proposal.seconds, proposal.evidence)
+            if n and proposal.confidences:
+                self.auto.observe_confidences(proposal.confidences, n_accepted)
+
+    def rollback(self, kept) -> None:
+        """The committed sequence is now `kept`: features of positions past len(kept) - 2 are
+        forgotten (the target re-sends them when it prefills them again)."""
+        self.committed = [int(t) for t in kept]
+        known = max(len(self.committed) - 1, 0)
+        if self.fed > known:
+            self.fed, self.pending = known, None
+        elif self.pending is not None:
+            self.pending = self.pending[: known - self.fed] if known > self.fed else None
+
+    # -- the head's passes
+
+    def _add_features(self, start: int, features: torch.Tensor) -> None:
+        """Records the target's features of positions [start, start + len(features))."""
+        have = self.fed + (0 if self.pending is None else self.pending.shape[0])
+        if not 0 <= start <= have:
+            raise ValueError(
+                f"the EAGLE drafter got target features from position {start} but knows only "
+                f"[0, {have}); rebuild it (a new generate() call or Session)"
+            )
+        if start < self.fed:  # the target recomputed rows the head had: take them again
+            self.fed, self.pending = start, features
+        elif self.pending is None or start == self.fed:
+            self.pending = features
+        else:
+            self.pending = torch.cat([self.pending[: start - self.fed], features])
+
+    def _feed(self, features: torch.Tensor) -> torch.Tensor:
+        """Runs the head over positions [fed, fed + n) with the target's features there and
+        the committed tokens one ahead -> out_hidden of the last row (1, H)."""
+        pos, n = self.fed, features.shape[0]
+        tokens = torch.tensor(self.committed[pos + 1 : pos + 1 + n], device=self.device)
+        hidden = self.head.fc(features.to(self.head.fc.weight.dtype))  # (n, H)
+        return self._step(hidden, tokens)[-1:]
+
+    def _step(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """hidden (T, H), tokens (T,) at positions [cache.length, +T) -> out_hidden (T, H);
+        appends T positions to the head's cache."""
+        pos, T = self.cache.length, hidden.shape[0]
+        if pos + T > self.cache.max_length:
+            raise ValueError(f"the EAGLE drafter's cache holds {self.cache.max_length} positions")
+        cos, sin = self.head.rope(pos + T)
+        cos, sin = cos[pos : pos + T, None, :], sin[pos : pos + T, None, :]
+        c = self.head.config
+        g = c.num_attention_heads // c.num_key_value_heads
+        mask = None
+        if T > 1:
+            mask = torch.ones(T, pos + T, dtype=torch.bool, device=self.device).tril_(pos)
+            mask = mask.repeat(g, 1)
+
+        def attend(q, k, v):  # q (Hkv, g*T, hd); k, v (Hkv, T, hd)
+            k_all, v_all = self.cache.write(0, pos, k, v)
+            return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+        out = self.head.layer(hidden, tokens, cos, sin, attend)
+        self.cache.length = pos + T
+        return out
+
+    def _draft(self, k: int) -> list[int]:
+        """Re-feeds the pending real rows, then drafts up to k tokens."""
+        self.cache.rollback(self.fed)  # forget last round's drafts
+        hidden = self._feed(self.pending)
+        self.fed, self.pending = self.fed + self.pending.shape[0], None
+        drafts, qs, confidences = [], [], []
+        for i in range(k):
+            logits = self.head.logits(hidden).float()  # (1, Vd)
+            row, q = self._choose(logits)
+            token = self.target_ids[row]  # (1,)
+            drafts.append(token)
+            if q is not None:
+                qs.append(q)
+            if self.auto is not None:
+                confidences.append(_probability(logits, q, row))  # one host sync per step
+                if not self.auto.keep_drafting(confidences):
+                    break
+            if i + 1 < k:
+                hidden = self._step(hidden, token)
+        self.confidences = confidences
+        self.draft_probs = self._to_target(torch.cat(qs)) if qs else None
+        return torch.cat(drafts).tolist()
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft row (1,) from logits (1, Vd), and the q (1, Vd) it was drawn from."""
+        if self.greedy:
+            return logits.argmax(dim=-1), None
+        q = logits_to_probs(logits, **self.sampling)
+        return torch.multinomial(q, 1, generator=self.generator)[0], q
+
+    def _to_target(self, q: torch.Tensor) -> torch.Tensor:
+        """(k, Vd) over the draft vocabulary -> (k, V) over the target's, zeros elsewhere."""
+        full = q.new_zeros(q.shape[0], self.vocab_size)
+        return full.index_copy_(1, self.target_ids, q)
+
+
+def _probability(logits: torch.Tensor, q: torch.Tensor | None, row: torch.Tensor) -> float:
+    if q is not None:
+        return float(q[0, row])
+    return float(torch.softmax(logits[0], dim=-1)[row])
+
+
+def eagle_drafter(drafter, target, fixed_k: int | None, max_length: int) -> EagleDraft:
+    """make_drafter's EAGLE case: "eagle" (the default model's shipped head), "eagle:PATH", or
+    an EagleHead."""
+    if isinstance(drafter, str):
+        path = drafter.partition(":")[2] or None
+        if path is None and not DEFAULT_HEAD.is_dir():
+            raise ValueError(
+                f'drafter="eagle" uses the head shipped for SmolLM2-135M-Instruct at '
+                f"{DEFAULT_HEAD}, which is not there; pass a head from specfast.load_eagle(path, "
+                "model) or drafter='eagle:PATH'"
+            )
+        drafter = load_eagle(path, target)
+    return EagleDraft(drafter, target, fixed_k, max_length)
