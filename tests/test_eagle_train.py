@@ -239,7 +239,7 @@ def test_saved_head_has_specforge_layout(captured, tmp_path):
     et.train(target, folder, tmp_path / "h", tiny_cfg(steps=2, eval_every=2), aux)
     config = json.loads((tmp_path / "h" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == aux == [2, 4, 5]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(aux) == [2, 4, 5]
     assert config["draft_vocab_size"] == 64 and config["vocab_size"] == 200
     t = load_file(tmp_path / "h" / "model.safetensors")
     H, nh, nkv, hd, inter = 32, 4, 2, 8, 48
@@ -303,3 +303,38 @@ def test_train_eagle_command_end_to_end(tmp_path):
     assert (
         main([*args[:-4], "--eval-every", "3", "--ttt-steps", "2", "--steps", "3", "--resume"]) == 0
     )
+
+
+def test_trained_head_drafts_as_the_specfast_head_and_loads_back(captured, tmp_path):
+    """TrainHead's training-time-test step equals specfast.eagle.EagleHead.forward with the
+    TTT mask (the drafter's class), and the saved head loads back through load_eagle."""
+    from specfast.eagle import load_eagle
+
+    target, folder, aux = captured
+    et.train(target, folder, tmp_path / "h", tiny_cfg(steps=2, eval_every=2), aux)
+    trained = torch.load(tmp_path / "h" / "checkpoint.pt", weights_only=True)["head"]
+    head = et.TrainHead(json.loads((tmp_path / "h" / "config.json").read_text()))
+    head.load_state_dict(trained)
+    eagle = et.to_eagle_head(head).bind_embedding(target.embed.weight)
+    ids = torch.tensor(next(iter(random_docs(1, 200, seed=5)))[1])
+    feats, _, _ = ed.target_features(target, ids, aux)
+    T, steps = len(ids) - 1, 3
+    pos = torch.arange(T)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    eye = torch.eye(T, dtype=torch.bool)
+    with torch.no_grad():
+        h_ours = h_theirs = head.fc(feats[:T])
+        keys, values, k_prev, v_prev = [], [], None, None
+        for s in range(steps):
+            tok = ids[(pos + 1 + s).clamp_max(T)]
+            h_ours = head.step(target.embed.weight[tok], h_ours, pos + s, keys, values)
+            mask = torch.cat([causal] + [eye] * s, dim=1)  # step 0 causally, the chain diagonally
+            h_theirs, logits, k, v = eagle(h_theirs, tok, pos + s, k_prev, v_prev, mask)
+            k_prev = k if k_prev is None else torch.cat([k_prev, k], dim=-2)
+            v_prev = v if v_prev is None else torch.cat([v_prev, v], dim=-2)
+            assert torch.allclose(h_ours, h_theirs, atol=1e-4), s
+            assert torch.allclose(head.logits(h_ours), logits, atol=1e-4), s
+    loaded = load_eagle(tmp_path / "h", target)  # saved in bf16, loaded in the target's dtype
+    for k, v in loaded.state_dict().items():
+        want = trained[k].to(torch.bfloat16) if trained[k].is_floating_point() else trained[k]
+        assert torch.equal(v, want.to(v.dtype)), k

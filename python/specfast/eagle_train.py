@@ -509,18 +509,21 @@ class _progress:
 # ---------------------------------------------------------------------------- saving
 
 
-def save_head(head: TrainHead, folder: Path) -> None:
-    """config.json + model.safetensors (matrices and norms in bf16, d2t int64, t2d bool),
-    SpecForge's names; no embedding (shared with the target)."""
-    from safetensors.torch import save_file
+def to_eagle_head(head: TrainHead):
+    """The trained weights as specfast.eagle's EagleHead (the drafter's class), checked by its
+    loader's rules (shapes, d2t in range, t2d marking the same ids)."""
+    from specfast.eagle import EagleConfig, head_from_tensors
 
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)).detach().contiguous()
-        for k, v in head.state_dict().items()
-    }
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(head.config, indent=2) + "\n")
+    tensors = {k: v.detach() for k, v in head.state_dict().items()}
+    return head_from_tensors(EagleConfig.from_dict(dict(head.config)), tensors)
+
+
+def save_head(head: TrainHead, folder: Path) -> None:
+    """config.json + model.safetensors through specfast.eagle.save_eagle: SpecForge's names,
+    matrices and norms in bf16, d2t int64, t2d bool, no embedding (shared with the target)."""
+    from specfast.eagle import save_eagle
+
+    save_eagle(to_eagle_head(head), folder, dtype="bfloat16")
 
 
 # ---------------------------------------------------------------------------- the whole job
