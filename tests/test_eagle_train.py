@@ -114,10 +114,11 @@ def test_draft_vocabulary_takes_the_most_frequent_tokens():
         et.draft_vocabulary(counts, 7)
 
 
-def reference_chain(head, feats, tokens, embed, t: int, steps: int) -> list[torch.Tensor]:
+def reference_chain(head, feats, tokens, embed, t: int, steps: int, own=False) -> list:
     """Drafting as inference does it, written out one position at a time: step 0 over
     positions 0..t with the target's features, then step j at position t+j reading the
-    previous output hidden state, its token and every key so far. -> logits of each step at t."""
+    previous output hidden state, its token (the text's, or with `own` the draft it just made)
+    and every key so far. -> logits of each step at t."""
     c = head.config
     nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     m = head.midlayer
@@ -144,7 +145,8 @@ def reference_chain(head, feats, tokens, embed, t: int, steps: int) -> list[torc
         out = one(embed[tokens[p + 1]], head.fc(feats[p]), p)
     logits = [head.logits(out[None])[0]]
     for j in range(1, steps):
-        out = one(embed[tokens[t + 1 + j]], out, t + j)
+        tok = head.draft_ids[logits[-1].argmax()] if own else tokens[t + 1 + j]
+        out = one(embed[tok], out, t + j)
         logits.append(head.logits(out[None])[0])
     return logits
 
@@ -195,6 +197,33 @@ def test_loss_masks_targets_outside_the_draft_vocabulary(captured):
     head.t2d.zero_()  # nothing in the draft vocabulary: every position masked
     loss0, _ = et.ttt_loss(head, doc, target.embed.weight, out_rows, steps=2)
     assert loss0 == 0
+
+
+def test_chain_drafts_are_what_greedy_drafting_proposes():
+    target = tiny_target()
+    d2t, t2d = et.draft_vocabulary(torch.arange(200).flip(0), 50)
+    head = et.init_head(target, et.head_config(target, 50, [1, 3, 4]), d2t, t2d, seed=3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.3 * torch.randn(p.shape))
+    ids = torch.randint(0, 200, (12,), generator=torch.Generator().manual_seed(4))
+    feats, _, _ = ed.target_features(target, ids, [1, 3, 4])
+    drafts = et.chain_drafts(head, feats, ids, target.embed.weight, 3)
+    with torch.no_grad():
+        for t in (0, 5, 10):
+            ref = reference_chain(head, feats, ids, target.embed.weight, t, 3, own=True)
+            assert drafts[:, t].tolist() == [int(head.draft_ids[r.argmax()]) for r in ref]
+
+
+def test_greedy_acceptance_counts_rounds():
+    tokens = list(range(10))
+    perfect = torch.tensor([[t + 2 + s for t in range(9)] for s in range(3)])
+    assert et.greedy_acceptance(perfect, tokens, start=3, k=2) == [3, 3, 1]
+    assert et.greedy_acceptance(perfect, tokens, start=3, k=3) == [4, 3]
+    wrong = perfect.clone()
+    wrong[1] = -1  # the second draft is always wrong: 1 accepted + 1 per round
+    assert et.greedy_acceptance(wrong, tokens, start=3, k=3) == [2, 2, 2, 1]
+    assert sum(et.greedy_acceptance(wrong * 0, tokens, start=3, k=3)) == 7
 
 
 # ---------------------------------------------------------------------------- training

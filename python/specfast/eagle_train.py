@@ -298,6 +298,92 @@ def summary(stats: dict) -> dict:
     return {"acc": [round(a, 4) for a in acc], "tau": round(tau, 4)}
 
 
+# ---------------------------------------------------------------------------- greedy acceptance
+
+
+def chain_drafts(head: TrainHead, features, tokens, embed, steps: int) -> torch.Tensor:
+    """What greedy chain drafting proposes from every position at once -> (steps, T) target
+    ids, T = N - 1: row s, column t is the (s+1)-th draft of a round whose step 0 reads the
+    target's features of position t with token t+1. Later steps feed the head's own drafts, as
+    drafting does (the same attention as training-time test, own tokens instead of the text's)."""
+    tokens = tokens.long()
+    T = tokens.shape[0] - 1
+    pos = torch.arange(T)
+    dtype = head.fc.weight.dtype
+    with torch.no_grad():
+        hidden = head.fc(features[:T].to(dtype))
+        keys: list = []
+        values: list = []
+        tok, out = tokens[1:], []
+        for s in range(steps):
+            hidden = head.step(embed[tok].to(dtype), hidden, pos + s, keys, values)
+            tok = head.draft_ids[head.logits(hidden).argmax(dim=-1)]
+            out.append(tok)
+    return torch.stack(out)
+
+
+def greedy_acceptance(drafts: torch.Tensor, tokens, start: int, k: int) -> list[int]:
+    """Rounds of greedy chain drafting over `tokens` (the target's own greedy text) from the
+    round whose first draft is token `start` -> tokens emitted per round (accepted + 1).
+    A round at t (step 0 reads position t) drafts tokens t+2..; the next round starts one past
+    the target's own token."""
+    tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+    d = drafts.tolist()
+    rounds, t, N = [], start - 2, len(tokens)
+    while t + 2 < N:
+        a = 0
+        while a < min(k, len(d)) and t + 2 + a < N and d[a][t] == tokens[t + 2 + a]:
+            a += 1
+        emitted = min(a + 1, N - (t + 2))
+        rounds.append(emitted)
+        t += emitted
+    return rounds
+
+
+def held_out_acceptance(
+    target,
+    head: TrainHead,
+    kinds=("open", "complete"),
+    k_values=(1, 2, 3, 4, 5, 6),
+    max_new_tokens: int = 128,
+    per_kind: int = 16,
+) -> dict:
+    """Mean acceptance length of greedy chain drafting at each k on the benchmark's own
+    prompts (specfast.workloads, none trained on): the target generates each answer plainly
+    (EOS ignored, as the benchmark does), one forward reads its features, and every round is
+    replayed (chain_drafts, greedy_acceptance). Greedy output does not depend on the drafter, so
+    this is the mean_acceptance_length generate() reports, up to float noise at near-ties.
+    -> {kind: {k: tau}}."""
+    from specfast import generate, workloads
+    from specfast.eagle_data import target_features
+
+    aux = head.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    embed = target.embed.weight.detach().float()
+    result = {}
+    for kind in kinds:
+        rounds: dict[int, list[int]] = {k: [] for k in k_values}
+        for w in workloads.build_workloads([kind], per_kind):
+            prompt = target.tokenizer.encode(w.render(target.chat_template)).ids
+            out = generate(target, prompt, max_new_tokens, drafter=None, ignore_eos=True)
+            ids = torch.tensor(prompt + out.token_ids)
+            feats, _, _ = target_features(target, ids, aux)
+            drafts = chain_drafts(head, feats.float(), ids, embed, max(k_values))
+            for k in k_values:
+                rounds[k] += greedy_acceptance(drafts, ids, len(prompt) + 1, k)
+        result[kind] = {k: round(sum(r) / len(r), 3) for k, r in rounds.items()}
+    return result
+
+
+def load_train_head(folder: Path) -> TrainHead:
+    """A saved head (config.json + model.safetensors) as a float32 TrainHead."""
+    from safetensors.torch import load_file
+
+    head = TrainHead(json.loads((Path(folder) / "config.json").read_text()))
+    tensors = load_file(str(Path(folder) / "model.safetensors"))
+    head.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items()})
+    return head.float()
+
+
 # ---------------------------------------------------------------------------- training
 
 
