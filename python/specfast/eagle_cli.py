@@ -49,6 +49,13 @@ def add_train_eagle(sub) -> None:
     t.add_argument("--eval-every", type=_positive_int, default=100, metavar="N")
     t.add_argument("--threads", type=_positive_int, default=None, metavar="N")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    t.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        metavar="M",
+        help="stop training after M minutes (checkpoint and head saved; --resume goes on)",
+    )
 
 
 def cmd_train_eagle(args: argparse.Namespace, resolve_model) -> int:
@@ -75,6 +82,7 @@ def cmd_train_eagle(args: argparse.Namespace, resolve_model) -> int:
         data_dir=Path(args.data) if args.data else None,
         dtype=args.dtype,
         resume=args.resume,
+        max_minutes=args.max_minutes,
         max_len=args.max_len,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,

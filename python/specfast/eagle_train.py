@@ -342,36 +342,41 @@ def greedy_acceptance(drafts: torch.Tensor, tokens, start: int, k: int) -> list[
 
 def held_out_acceptance(
     target,
-    head: TrainHead,
+    heads: dict,
     kinds=("open", "complete"),
     k_values=(1, 2, 3, 4, 5, 6),
     max_new_tokens: int = 128,
     per_kind: int = 16,
 ) -> dict:
-    """Mean acceptance length of greedy chain drafting at each k on the benchmark's own
-    prompts (specfast.workloads, none trained on): the target generates each answer plainly
-    (EOS ignored, as the benchmark does), one forward reads its features, and every round is
-    replayed (chain_drafts, greedy_acceptance). Greedy output does not depend on the drafter, so
-    this is the mean_acceptance_length generate() reports, up to float noise at near-ties.
-    -> {kind: {k: tau}}."""
+    """Mean acceptance length of greedy chain drafting at each k, for each head of `heads`
+    ({name: TrainHead}), on the benchmark's own prompts (specfast.workloads, none trained on).
+
+    The target generates each answer once, plainly (EOS ignored, as the benchmark does); one
+    forward reads its features; then every round is replayed per head (chain_drafts,
+    greedy_acceptance). Greedy output does not depend on the drafter, so this is the
+    mean_acceptance_length generate() reports at that k, up to float noise at near-ties.
+    -> {name: {kind: {k: tau}}}."""
     from specfast import generate, workloads
     from specfast.eagle_data import target_features
 
-    aux = head.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    first = next(iter(heads.values()))
+    aux = first.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     embed = target.embed.weight.detach().float()
-    result = {}
+    rounds = {n: {kind: {k: [] for k in k_values} for kind in kinds} for n in heads}
     for kind in kinds:
-        rounds: dict[int, list[int]] = {k: [] for k in k_values}
         for w in workloads.build_workloads([kind], per_kind):
             prompt = target.tokenizer.encode(w.render(target.chat_template)).ids
             out = generate(target, prompt, max_new_tokens, drafter=None, ignore_eos=True)
             ids = torch.tensor(prompt + out.token_ids)
-            feats, _, _ = target_features(target, ids, aux)
-            drafts = chain_drafts(head, feats.float(), ids, embed, max(k_values))
-            for k in k_values:
-                rounds[k] += greedy_acceptance(drafts, ids, len(prompt) + 1, k)
-        result[kind] = {k: round(sum(r) / len(r), 3) for k, r in rounds.items()}
-    return result
+            feats = target_features(target, ids, aux)[0].float()
+            for name, head in heads.items():
+                drafts = chain_drafts(head, feats, ids, embed, max(k_values))
+                for k in k_values:
+                    rounds[name][kind][k] += greedy_acceptance(drafts, ids, len(prompt) + 1, k)
+    return {
+        n: {kind: {k: round(sum(r) / len(r), 3) for k, r in ks.items()} for kind, ks in kd.items()}
+        for n, kd in rounds.items()
+    }
 
 
 def load_train_head(folder: Path) -> TrainHead:
@@ -404,6 +409,14 @@ class TrainConfig:
     val_every: int = 50  # every val_every-th document is held out for the curve
     checkpoint_every: int = 50
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("steps", "docs_per_step", "ttt_steps", "draft_vocab_size", "eval_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -455,10 +468,12 @@ def train(
     log=sys.stderr,
     save: Callable[[TrainHead, Path], None] | None = None,
     stop_at: int | None = None,
+    max_minutes: float | None = None,
 ) -> TrainHead:
     """Train a head on the shards in data_dir; checkpoint.pt, curve.json and the head (config.json
     + model.safetensors) go to out_dir. `resume` continues from out_dir/checkpoint.pt;
-    `stop_at` stops (with a checkpoint) after that many steps of the cfg.steps schedule."""
+    `stop_at` stops (with a checkpoint) after that many steps of the cfg.steps schedule;
+    `max_minutes` stops this leg when its time is up, saving the checkpoint and the head."""
     out_dir.mkdir(parents=True, exist_ok=True)
     save = save or save_head
     data = Captured(data_dir)
@@ -470,8 +485,12 @@ def train(
         if not ckpt_path.is_file():
             raise ValueError(f"--resume: no checkpoint at {ckpt_path}")
         ckpt = torch.load(ckpt_path, weights_only=True)
-        if ckpt["cfg"] != asdict(cfg):
-            changed = sorted(k for k, v in asdict(cfg).items() if ckpt["cfg"].get(k) != v)
+        # The schedule's length and the logging may change (a run extended); the recipe not.
+        free = {"steps", "eval_every", "eval_docs", "checkpoint_every"}
+        changed = sorted(
+            k for k, v in asdict(cfg).items() if k not in free and ckpt["cfg"].get(k) != v
+        )
+        if changed:
             raise ValueError(
                 f"--resume with different settings ({', '.join(changed)}) than {ckpt_path}"
             )
@@ -537,7 +556,8 @@ def train(
             acc0=summ["acc"][0],
             tau=summ["tau"],
         )
-        last = step + 1 == end
+        out_of_time = max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes
+        last = step + 1 == end or out_of_time
         if (step + 1) % cfg.eval_every == 0 or last:
             point = {
                 "step": step + 1,
@@ -553,6 +573,10 @@ def train(
             save(head, out_dir / "snapshots" / f"step_{step + 1:06d}")
         if (step + 1) % cfg.checkpoint_every == 0 or last:
             checkpoint(step + 1)
+        if out_of_time:
+            bar.write(f"time is up ({max_minutes} min) after step {step + 1} of {cfg.steps}")
+            save(head, out_dir)
+            break
     bar.close()
     if end == cfg.steps:
         save(head, out_dir)
@@ -689,6 +713,7 @@ def train_eagle(
     resume: bool = False,
     log=sys.stderr,
     command: str | None = None,
+    max_minutes: float | None = None,
     **data_options,
 ) -> TrainHead:
     """`specfast train-eagle`: the target answers the training prompts, one forward per
@@ -703,7 +728,10 @@ def train_eagle(
     record = make_data(target, data_dir, aux, seed=cfg.seed, log=log, **data_options)
     print(f"data: {json.dumps(record)}", file=log, flush=True)
     t0 = time.perf_counter()
-    head = train(target, data_dir / "captured", out_dir, cfg, aux, resume=resume, log=log)
+    head = train(
+        target, data_dir / "captured", out_dir, cfg, aux, resume=resume, log=log,
+        max_minutes=max_minutes,
+    )  # fmt: skip
     command = " ".join(["specfast", *sys.argv[1:]]) if command is None else command
     write_record(out_dir, record, cfg, time.perf_counter() - t0, command)
     return head
