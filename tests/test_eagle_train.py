@@ -367,3 +367,17 @@ def test_trained_head_drafts_as_the_specfast_head_and_loads_back(captured, tmp_p
     for k, v in loaded.state_dict().items():
         want = trained[k].to(torch.bfloat16) if trained[k].is_floating_point() else trained[k]
         assert torch.equal(v, want.to(v.dtype)), k
+
+
+def test_bad_settings_are_refused(captured, tmp_path):
+    with pytest.raises(ValueError, match="lr must be"):
+        et.TrainConfig(lr=0.0)
+    with pytest.raises(ValueError, match="ttt_steps must be"):
+        et.TrainConfig(ttt_steps=0)
+    target, folder, aux = captured
+    with pytest.raises(ValueError, match="no checkpoint"):
+        et.train(target, folder, tmp_path / "none", tiny_cfg(), aux, resume=True)
+    with pytest.raises(ValueError, match="no captured shards"):
+        et.train(target, tmp_path, tmp_path / "x", tiny_cfg(), aux)
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        et.train(target, folder, tmp_path / "y", tiny_cfg(draft_vocab_size=201), aux)
