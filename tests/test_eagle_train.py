@@ -70,6 +70,23 @@ def test_training_data_excludes_the_benchmark_text():
         assert not any(src in p.text for p in prompts), w.name
 
 
+def test_batched_answers_equal_plain_greedy():
+    from specfast import generate
+
+    target = tiny_target()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (5, 9, 17, 3)]
+    eos = 7
+    outs = ed.batched_greedy(target, prompts, 12, eos_ids=[eos])
+    for p, out in zip(prompts, outs, strict=True):
+        plain = generate(target, p, max_new_tokens=12, drafter=None, eos_token_id=eos)
+        assert out == plain.token_ids
+    # rows of different lengths keep their own positions: the same prompt at two batch
+    # positions next to others gives the batch-of-one text
+    same = ed.batched_greedy(target, [prompts[2], prompts[0], prompts[2]], 12)
+    assert same[0] == same[2] == outs[2] and same[1] == outs[0]
+
+
 # ---------------------------------------------------------------------------- capture
 
 

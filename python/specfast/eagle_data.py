@@ -417,60 +417,143 @@ def answer_prompts(
     out_path: Path,
     max_new_tokens: int = 256,
     batch_size: int = 16,
+    engine: str = "specfast",
     log=sys.stderr,
 ) -> list[dict]:
-    """Greedy answers of the target to `prompts`, batched (left padding) through hf_twin.
+    """Greedy answers of the target to `prompts`, in order.
 
+    engine "specfast": specfast.generate with the n-gram drafter, one prompt at a time;
+    "batched": `batch_size` prompts decoded together (batched_greedy), the fastest on this CPU
+    (about 2.3x "specfast" on one shared core); "hf": transformers' batched generate through
+    hf_twin (12-22 tok/s here, slower than "specfast"; it may pay on a GPU).
     Appends one JSON line per prompt to `out_path` ({"name", "kind", "prompt_ids",
     "answer_ids"}) and skips prompts already there, so an interrupted run continues.
     """
+    if engine not in ("specfast", "batched", "hf"):
+        raise ValueError(f'engine must be "specfast", "batched" or "hf", got {engine!r}')
     done = read_jsonl(out_path)
     have = {d["name"] for d in done}
     todo = [p for p in prompts if p.name not in have]
     if not todo:
         return done
     tok = model.tokenizer
+    t0, n_new = time.perf_counter(), 0
+    enc = [(tok.encode(p.text).ids, p) for p in todo]
+    if engine == "hf":
+        answers = _answers_hf(model, enc, max_new_tokens, batch_size)
+    elif engine == "batched":
+        answers = _answers_batched(model, enc, max_new_tokens, batch_size)
+    else:
+        answers = _answers_specfast(model, enc, max_new_tokens)
+    with out_path.open("a", encoding="utf-8") as f:
+        for i, ((ids, p), answer) in enumerate(zip(enc, answers, strict=False)):
+            n_new += len(answer)
+            rec = {"name": p.name, "kind": p.kind, "prompt_ids": ids, "answer_ids": answer}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            done.append(rec)
+            dt = time.perf_counter() - t0
+            print(
+                f"answers: {i + 1}/{len(enc)} prompts, {n_new} new tokens, {n_new / dt:.0f} tok/s",
+                file=log,
+                flush=True,
+            )
+    return done
+
+
+def _answers_specfast(model, enc, max_new_tokens: int):
+    from specfast import generate
+
+    for ids, _ in enc:
+        room = min(max_new_tokens, model.max_context - len(ids))
+        yield generate(model, ids, max_new_tokens=room, drafter="ngram").token_ids
+
+
+def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids=()):
+    """Greedy continuations of several prompts at once on a specfast Model -> one list of new
+    tokens per prompt (stopping after an EOS id). Every step runs all unfinished sequences
+    through the weights together, each row attending to its own KV cache at its own position:
+    batch-1 decoding on a CPU is bound by reading the weights, so B rows cost little more than
+    one. Row order can flip a near-tie against plain generate(); this makes training text.
+    """
+    import torch.nn.functional as F
+
+    eos = set(eos_ids)
+    decs = [model.decoder(len(p) + max_new_tokens) for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    with torch.inference_mode():
+        for dec, p, out in zip(decs, prompts, outs, strict=True):
+            out.append(int(dec.forward(torch.tensor(p), last_only=True).argmax(-1)))
+        live = [b for b in range(len(prompts)) if outs[b][-1] not in eos]
+        cos_t, sin_t = model.rope(max(d.max_length for d in decs))
+        packed = model.packed_weights()
+        while live:
+            live = [b for b in live if len(outs[b]) < max_new_tokens]
+            if not live:
+                break
+            T = len(live)
+            ids = torch.tensor([outs[b][-1] for b in live])
+            pos = [decs[b].length for b in live]
+            cos, sin = cos_t[pos][:, None, :], sin_t[pos][:, None, :]  # (T, 1, hd)
+
+            def attend(i, q, k, v, live=live, pos=pos, T=T):
+                # q (Hkv, g*T, hd): row r is query head r // T of token r % T
+                y = torch.empty_like(q)
+                for j, b in enumerate(live):
+                    kc, vc = decs[b].cache.write(i, pos[j], k[:, j : j + 1], v[:, j : j + 1])
+                    y[:, j::T] = F.scaled_dot_product_attention(q[:, j::T], kc, vc)
+                return y
+
+            x = model._layers(model.embed(ids), cos, sin, attend, packed)
+            top = model._head(x, None, packed).argmax(dim=-1).tolist()
+            for j, b in enumerate(live):
+                decs[b].cache.length = pos[j] + 1
+                outs[b].append(top[j])
+            live = [b for b in live if outs[b][-1] not in eos]
+    return outs
+
+
+def _answers_batched(model, enc, max_new_tokens: int, batch_size: int):
+    for b in range(0, len(enc), batch_size):
+        chunk = [ids for ids, _ in enc[b : b + batch_size]]
+        room = min(max_new_tokens, model.max_context - max(map(len, chunk)))
+        yield from batched_greedy(model, chunk, room, model.eos_token_ids)
+
+
+def _answers_hf(model, enc, max_new_tokens: int, batch_size: int):
     eos = list(model.eos_token_ids) or [0]
     hf = hf_twin(model)
-    # Similar lengths together, so little padding is computed.
-    enc = sorted(((tok.encode(p.text).ids, p) for p in todo), key=lambda e: len(e[0]))
-    t0, n_new = time.perf_counter(), 0
-    with out_path.open("a", encoding="utf-8") as f, torch.inference_mode():
-        for b in range(0, len(enc), batch_size):
-            batch = enc[b : b + batch_size]
-            width = max(len(ids) for ids, _ in batch)
-            input_ids = torch.full((len(batch), width), eos[0], dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for r, (ids, _) in enumerate(batch):
+    # Similar lengths together, so little padding is computed; answers come back in order.
+    order = sorted(range(len(enc)), key=lambda i: len(enc[i][0]))
+    got: dict[int, list[int]] = {}
+    nxt = 0
+    with torch.inference_mode():
+        for b in range(0, len(order), batch_size):
+            rows = order[b : b + batch_size]
+            width = max(len(enc[i][0]) for i in rows)
+            input_ids = torch.full((len(rows), width), eos[0], dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, i in enumerate(rows):
+                ids = enc[i][0]
                 input_ids[r, width - len(ids) :] = torch.tensor(ids)
                 mask[r, width - len(ids) :] = 1
             out = hf.generate(
-                input_ids=input_ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos[0],
-            )
-            for r, (ids, p) in enumerate(batch):
+                input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+            )  # fmt: skip
+            for r, i in enumerate(rows):
                 answer = out[r, width:].tolist()
                 for j, t in enumerate(answer):
                     if t in eos:
                         answer = answer[: j + 1]
                         break
-                n_new += len(answer)
-                rec = {"name": p.name, "kind": p.kind, "prompt_ids": ids, "answer_ids": answer}
-                f.write(json.dumps(rec) + "\n")
-                done.append(rec)
-            f.flush()
-            dt = time.perf_counter() - t0
-            print(
-                f"answers: {min(b + batch_size, len(enc))}/{len(enc)} prompts, {n_new} new "
-                f"tokens, {n_new / dt:.0f} tok/s",
-                file=log,
-                flush=True,
-            )
-    return done
+                got[i] = answer
+            while nxt in got:
+                yield got.pop(nxt)
+                nxt += 1
+    while nxt in got:
+        yield got.pop(nxt)
+        nxt += 1
 
 
 def read_jsonl(path: Path) -> list[dict]:
