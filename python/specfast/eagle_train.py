@@ -674,7 +674,7 @@ def make_data(
     prompts = ed.training_prompts(target.chat_template, seed=seed, scale=prompt_scale)
     prompts = prompts[:max_prompts]
     records = ed.answer_prompts(
-        target, prompts, data_dir / "answers.jsonl", max_new_tokens, batch_size, log=log
+        target, prompts, data_dir / "answers.jsonl", max_new_tokens, batch_size, "batched", log
     )
     t_answers = time.perf_counter() - t0
     for f in captured.glob("shard_*"):
