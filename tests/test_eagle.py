@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import needs_transformers
+from test_cli import run_main, tiny_model_dir  # noqa: F401  (tiny_model_dir: a fixture)
+from test_generate_distribution import chi2_pvalue
 
 from specfast.model import Model, ModelConfig, default_aux_layers
 
@@ -117,4 +120,608 @@ def test_compiled_decoder_gives_features_through_the_eager_pass(tiny_model):
     assert torch.equal(top, want_logits.argmax(-1))
 
 
-_ = ModelConfig  # used by later sections
+# ----------------------------------------------------------------------------
+# heads for tests
+
+TARGET = ModelConfig(
+    vocab_size=300, dim=64, n_layers=5, n_heads=4, n_kv_heads=2, intermediate_size=96,
+    max_context=256,
+)  # fmt: skip
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3
+
+
+def fit_head(target, head, seq: list[int], steps: int = 100, ttt: int = 3, lr: float = 1e-2):
+    """Teaches `head` the target's greedy next tokens along `seq`, with EAGLE-3's training-time
+    test through `EagleHead.forward` (step s reads step s-1's out_hidden at position t + s and
+    sees step 0's keys causally plus its own chain's). A head that learns this way drafts
+    well at inference only if the two views of the head agree."""
+    ids = torch.tensor(seq)
+    feats = target.decoder(len(seq)).forward(ids, features=head.aux_layers)[1].clone()
+    labels = target.decoder(len(seq)).forward(ids).argmax(-1).clone()  # row t: token t + 1
+    to_draft = torch.full((target.vocab_size,), -100)  # target id -> draft id (-100: none)
+    to_draft[head.target_ids] = torch.arange(len(head.target_ids))
+    labels = to_draft[labels]
+    head.requires_grad_(True)
+    opt = torch.optim.Adam(head.parameters(), lr=lr)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second thread only waits (5x slower when busy)
+    try:
+        for _ in range(steps):
+            _fit_step(head, opt, feats, ids, labels, ttt)
+    finally:
+        torch.set_num_threads(threads)
+    return head.requires_grad_(False)
+
+
+def _fit_step(head, opt, feats, ids, labels, ttt: int) -> None:
+    T = len(ids) - 1
+    pos = torch.arange(T)
+    causal, eye = torch.ones(T, T, dtype=torch.bool).tril(), torch.eye(T, dtype=torch.bool)
+    """One Adam step on the training-time-test loss (steps weighted 0.8^s)."""
+    hidden, tokens, ks, vs, loss = head.fc(feats[:T]), ids[1:], [], [], 0.0
+    for s in range(ttt):
+        if s == 0:
+            out, logits, k, v = head(hidden, tokens, pos)
+        else:
+            mask = torch.cat([causal] + [eye] * s, dim=1)  # (T, (s + 1) T)
+            kp, vp = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+            out, logits, k, v = head(hidden, tokens, pos + s, kp, vp, mask)
+        ks, vs = [*ks, k], [*vs, v]
+        n = T - 1 - s  # row t at step s predicts token t + 2 + s = labels[t + 1 + s]
+        loss = loss + 0.8**s * torch.nn.functional.cross_entropy(
+            logits[:n], labels[1 + s : 1 + s + n]
+        )
+        # Step s + 1 at row t reads token t + 2 + s (the sequence's; padding past its end).
+        tokens = torch.cat([ids[2 + s :], ids[-1:].repeat(s + 1)])[:T]
+        hidden = out
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+@pytest.fixture(scope="module")
+def target() -> Model:
+    return Model.from_config(TARGET, seed=0)
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> list[int]:
+    import specfast
+
+    return specfast.generate(target, PROMPT, max_new_tokens=60, drafter=None).token_ids
+
+
+@pytest.fixture(scope="module")
+def fitted_head(target, plain):
+    """A head of part of the vocabulary (200 of 300 ids, shuffled) that learned `plain`."""
+    from specfast.eagle import EagleConfig, random_head
+
+    config = EagleConfig.for_target(target, draft_vocab_size=200, aux_layers=(1, 2, 4))
+    head = random_head(config, seed=1)
+    head.bind_embedding(target.embed.weight)
+    needed = sorted(set(PROMPT + plain))
+    rest = [t for t in torch.randperm(300, generator=torch.Generator().manual_seed(2)).tolist()]
+    vocab = (needed + [t for t in rest if t not in needed])[:200]
+    head.set_draft_vocab(vocab[::-1])  # draft id order != target id order: d2t matters
+    return fit_head(target, head, PROMPT + plain)
+
+
+# ----------------------------------------------------------------------------
+# greedy exactness
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+def test_greedy_with_an_eagle_head_is_plain_greedy(target, plain, fitted_head, k):
+    import specfast
+
+    out = specfast.generate(
+        target, PROMPT, max_new_tokens=60, drafter=fitted_head, num_speculative_tokens=k
+    )
+    assert out.token_ids == plain
+    s = out.stats
+    assert s.draft_tokens > 0
+    if k != "auto":  # auto k weighs measured times, so how much it drafts varies with load
+        assert s.mean_acceptance_length > 1.5  # the head drafts, and the drafts count
+
+
+def test_greedy_with_a_random_head_is_plain_greedy(target, plain):
+    """Mostly rejected drafts, and a prompt that is not what any head saw."""
+    import specfast
+    from specfast.eagle import EagleConfig, random_head
+
+    head = random_head(EagleConfig.for_target(target, draft_vocab_size=50), seed=3, scale=10)
+    prompt = [7, 3, 250, 11, 4]
+    want = specfast.generate(target, prompt, max_new_tokens=30, drafter=None).token_ids
+    for k in (2, "auto"):
+        out = specfast.generate(
+            target, prompt, max_new_tokens=30, drafter=head, num_speculative_tokens=k
+        )
+        assert out.token_ids == want
+
+
+def test_session_turns_with_an_eagle_head_equal_generate(target, fitted_head):
+    """Two turns: the second prefills only its new tokens, and the head takes the features of
+    those positions; both replies equal plain greedy over the whole context."""
+    import specfast
+
+    s = specfast.Session(target, drafter=fitted_head, num_speculative_tokens=4)
+    first = s.send(PROMPT[:20], max_new_tokens=20)
+    second = s.send([5, 6, 7], max_new_tokens=20)
+    ctx = PROMPT[:20]
+    want1 = specfast.generate(target, ctx, max_new_tokens=20, drafter=None).token_ids
+    ctx = ctx + want1 + [5, 6, 7]
+    want2 = specfast.generate(target, ctx, max_new_tokens=20, drafter=None).token_ids
+    assert (first.token_ids, second.token_ids) == (want1, want2)
+
+
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_eagle_plus_ngram_is_plain_greedy(target, plain, fitted_head, k):
+    """CombinedDrafter(head): the n-gram drafts where the context repeats (the prompt is one
+    phrase three times), the head elsewhere; its features catch up after n-gram rounds."""
+    import specfast
+
+    combined = specfast.CombinedDrafter(fitted_head, min_match=2)
+    out = specfast.generate(
+        target, PROMPT, max_new_tokens=60, drafter=combined, num_speculative_tokens=k
+    )
+    assert out.token_ids == plain
+    assert out.stats.draft_tokens > 0
+
+
+def test_eagle_and_ngram_both_draft_with_a_fixed_k(target, fitted_head, monkeypatch):
+    import specfast
+    import specfast.eagle
+
+    sources = []
+    real = specfast.eagle.EagleDraft._draft
+
+    def count(self, k):
+        sources.append("head")
+        return real(self, k)
+
+    monkeypatch.setattr(specfast.eagle.EagleDraft, "_draft", count)
+    prompt = PROMPT[:12] + PROMPT[:12]  # repeats, then not
+    want = specfast.generate(target, prompt, max_new_tokens=40, drafter=None).token_ids
+    combined = specfast.CombinedDrafter(fitted_head, min_match=3)
+    out = specfast.generate(
+        target, prompt, max_new_tokens=40, drafter=combined, num_speculative_tokens=3
+    )
+    assert out.token_ids == want
+    assert sources and len(sources) < out.stats.target_passes - 1  # some rounds were n-gram
+
+
+# ----------------------------------------------------------------------------
+# files: SpecForge's layout, round trip and bad files
+
+
+def small_head(target, vd: int = 40, **kw):
+    from specfast.eagle import EagleConfig, random_head
+
+    head = random_head(EagleConfig.for_target(target, draft_vocab_size=vd, **kw), seed=5)
+    head.set_draft_vocab(list(range(300 - vd, 300)))  # d2t = 300 - vd for every id
+    return head
+
+
+SPECFORGE_NAMES = {
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight",
+    "lm_head.weight", "d2t", "t2d",
+}  # fmt: skip
+
+
+def test_save_and_load_round_trip(target, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    import specfast
+    from specfast.eagle import save_eagle
+
+    head = small_head(target)
+    save_eagle(head, tmp_path, dtype="float32")
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == SPECFORGE_NAMES  # no embed_tokens: the target's is shared
+        assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 2]
+    assert (config["draft_vocab_size"], config["target_hidden_size"]) == (40, 64)
+    loaded = specfast.load_eagle(tmp_path, target)
+    for name, t in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    assert loaded.aux_layers == (2, 2, 2)  # default_aux_layers(5)
+    # The loaded head drafts exactly as the one saved.
+    runs = []
+    for h in (head, loaded):
+        out = specfast.generate(target, PROMPT, max_new_tokens=12, drafter=h, temperature=1.0,
+                                seed=4, num_speculative_tokens=3)  # fmt: skip
+        runs.append((out.token_ids, out.stats.accepted_tokens, out.stats.draft_tokens))
+    assert runs[0] == runs[1]
+
+
+def test_bf16_file_and_model_prefix_and_own_embedding(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    import specfast
+    from specfast.eagle import EagleHead, save_eagle
+
+    head = small_head(target)
+    save_eagle(head, tmp_path, dtype="bfloat16")
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    assert sd["fc.weight"].dtype == torch.bfloat16
+    # SpecForge checkpoints sometimes carry a "model." prefix, and their own embedding.
+    sd = {f"model.{k}": v for k, v in sd.items()}
+    sd["model.embed_tokens.weight"] = torch.randn(300, 64).bfloat16()
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    loaded = specfast.load_eagle(tmp_path, target)
+    assert isinstance(loaded, EagleHead)
+    assert loaded.fc.weight.dtype == torch.float32  # the target's dtype
+    assert loaded.embed_tokens is not None
+    torch.testing.assert_close(loaded.embed_tokens.weight, sd["model.embed_tokens.weight"].float())
+    torch.testing.assert_close(loaded.fc.weight, head.fc.weight, atol=1e-2, rtol=1e-2)
+
+
+def write_head(target, path, edit=None, config_edit=None):
+    """A saved head with its tensors (and config) edited."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from specfast.eagle import save_eagle
+
+    save_eagle(small_head(target), path, dtype="float32")
+    sd = load_file(str(path / "model.safetensors"))
+    if edit:
+        edit(sd)
+        save_file(sd, str(path / "model.safetensors"))
+    if config_edit:
+        config = json.loads((path / "config.json").read_text())
+        config_edit(config)
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _set(d, k, v):
+    d[k] = v
+
+
+AUX_IDS = "eagle_aux_hidden_state_layer_ids"
+BAD_FILES = {
+    "missing tensor": (lambda sd: sd.pop("midlayer.mlp.up_proj.weight"), None,
+                       "missing tensor 'midlayer.mlp.up_proj.weight'"),
+    "wrong shape": (lambda sd: _set(sd, "fc.weight", torch.zeros(64, 100)), None,
+                    r"'fc.weight' has shape \(64, 100\); this config needs \(64, 192\)"),
+    "d2t out of range": (lambda sd: sd["d2t"].__setitem__(3, 10_000), None,
+                         r"draft id 3 to target id 10003, outside .*\[0, 300\)"),
+    "d2t negative": (lambda sd: sd["d2t"].__setitem__(0, -300), None, "outside"),
+    "d2t duplicate": (lambda sd: sd["d2t"].__setitem__(1, sd["d2t"][0] - 1), None, "same target"),
+    "t2d length": (lambda sd: _set(sd, "t2d", torch.ones(299, dtype=torch.bool)), None,
+                   r"'t2d' has shape \(299,\); this config needs \(300,\)"),
+    "t2d disagrees": (lambda sd: sd["t2d"].__setitem__(0, True), None, "does not mark exactly"),
+    "float d2t": (lambda sd: _set(sd, "d2t", sd["d2t"].float()), None, "integer tensor"),
+    "vocabulary": (None, lambda c: _set(c, "vocab_size", 301),
+                   "vocabulary of 301 tokens; the target has 300"),
+    "hidden size": (None, lambda c: _set(c, "target_hidden_size", 32),
+                    "hidden size 32; the target's is 64"),
+    "aux layers": (None, lambda c: _set(c, "eagle_config", {AUX_IDS: [1, 2, 5]}),
+                   r"reads target layers \[1, 2, 5\]; the target has 5 layers"),
+    "two layers": (None, lambda c: _set(c, "num_hidden_layers", 2), "num_hidden_layers must be 1"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_FILES))
+def test_bad_files_raise_clear_errors(target, tmp_path, kind):
+    import specfast
+
+    edit, config_edit, message = BAD_FILES[kind]
+    path = write_head(target, tmp_path, edit, config_edit)
+    with pytest.raises(ValueError, match=message):
+        specfast.load_eagle(path, target)
+
+
+def test_pickle_is_refused_with_how_to_convert(tmp_path):
+    import specfast
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled")
+    with pytest.raises(ValueError, match=r"pickle.*weights_only=True.*save_file"):
+        specfast.load_eagle(tmp_path, None)
+    with pytest.raises(FileNotFoundError, match="no EAGLE head"):
+        specfast.load_eagle(tmp_path / "nowhere", None)
+    (tmp_path / "pytorch_model.bin").unlink()
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        specfast.load_eagle(tmp_path, None)
+
+
+def test_default_aux_layers_and_targets_without_features(target, tmp_path):
+    import specfast
+
+    path = write_head(target, tmp_path, None, lambda c: c.pop("eagle_config"))
+    assert specfast.load_eagle(path, target).aux_layers == (2, 2, 2)  # 2, 5 // 2, 5 - 3
+    with pytest.raises(TypeError, match="specfast Model"):
+        specfast.load_eagle(path, object())
+
+
+@needs_transformers
+def test_transformers_target_is_refused_with_a_reason(hf_and_ours):
+    import specfast
+
+    hf, ours = hf_and_ours
+    head = small_head(ours)
+    with pytest.raises(ValueError, match=r"specfast\.load_model"):
+        specfast.generate(hf, [1, 2, 3], max_new_tokens=3, drafter=head)
+
+
+def test_eagle_string_without_a_shipped_head_says_so(target, monkeypatch, tmp_path):
+    import specfast
+    import specfast.eagle
+
+    monkeypatch.setattr(specfast.eagle, "DEFAULT_HEAD", tmp_path / "absent")
+    with pytest.raises(ValueError, match="not there"):
+        specfast.generate(target, [1, 2, 3], max_new_tokens=3, drafter="eagle")
+    path = write_head(target, tmp_path / "h")
+    out = specfast.generate(target, [1, 2, 3], max_new_tokens=3, drafter=f"eagle:{path}")
+    assert len(out.token_ids) == 3
+
+
+def test_cli_generate_and_bench_with_a_head(tiny_model_dir, tmp_path, capsys):  # noqa: F811
+    import json
+
+    import specfast
+    from specfast.eagle import EagleConfig, random_head, save_eagle
+
+    model = specfast.load_model(str(tiny_model_dir), dtype="float32")
+    config = EagleConfig.for_target(model, draft_vocab_size=100, aux_layers=(0, 1, 1))
+    head_dir = save_eagle(random_head(config, seed=0), tmp_path / "head", dtype="float32")
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc"]
+    argv += ["--max-new-tokens", "8", "--dtype", "float32"]
+    outputs = []
+    for drafter in ("none", f"eagle:{head_dir}", f"ngram+eagle:{head_dir}"):
+        rc, out, err = run_main([*argv, "--drafter", drafter], capsys)
+        assert rc == 0, err
+        outputs.append(out)
+    assert outputs[1] == outputs[0] == outputs[2]  # the same text, whichever drafter
+    out_dir = tmp_path / "bench"
+    argv = ["bench", "--model", str(tiny_model_dir), "--workloads", "open", "--dtype", "float32"]
+    argv += ["--engines", "specfast-plain,specfast-eagle,specfast-eagle+ngram"]
+    argv += ["--eagle", str(head_dir), "--prompts-per-workload", "1", "--repeats", "1"]
+    argv += ["--max-new-tokens", "8", "--out", str(out_dir)]
+    rc, _, err = run_main(argv, capsys)
+    assert rc == 0, err
+    doc = json.loads((out_dir / "results.json").read_text())
+    for engine in ("specfast-eagle", "specfast-eagle+ngram"):
+        assert doc["summary"]["open"][engine]["identical"] == 1
+    assert doc["meta"]["eagle"] == str(head_dir)
+
+
+# ----------------------------------------------------------------------------
+# Level 2: the joint of the first 3 tokens and of what was accepted, with the head's q
+
+V2 = 4
+PROMPT2 = [1, 2, 3, 0, 2]
+N2 = 1000  # every negative control below gives p < 1e-30 at 600
+ALPHA = 1e-4
+TOP_K = 3
+
+
+@pytest.fixture(scope="module")
+def target2() -> Model:
+    from test_generate_distribution import sharpened
+
+    config = ModelConfig(vocab_size=V2, dim=32, n_layers=4, n_heads=4, n_kv_heads=2)
+    return sharpened(config, 3)
+
+
+def head2(target2, vd: int, order):
+    """A sharp random head (its q varies a lot with its inputs) over `vd` of the 4 tokens.
+    A small rope_theta makes it sensitive to positions (so a cache that is not rolled back,
+    which shifts them by one, shows)."""
+    from specfast.eagle import EagleConfig, random_head
+
+    config = EagleConfig.for_target(
+        target2, draft_vocab_size=vd, aux_layers=(0, 1, 2), rope_theta=3.0
+    )
+    head = random_head(config, seed=7, scale=60)
+    return head.set_draft_vocab(order) or head.bind_embedding(target2.embed.weight)
+
+
+@pytest.fixture(scope="module")
+def permuted_head(target2):
+    return head2(target2, 4, [2, 0, 3, 1])  # the whole vocabulary, in another order
+
+
+@pytest.fixture(scope="module")
+def partial_head(target2):
+    return head2(target2, 3, [3, 1, 0])  # token 2 is never drafted: q(2) = 0
+
+
+def filtered(probs: np.ndarray) -> np.ndarray:
+    keep = probs >= np.sort(probs)[-TOP_K]
+    return np.where(keep, probs, 0) / probs[keep].sum()
+
+
+def p_exact(target, context: list[int]) -> np.ndarray:
+    logits = target.decoder(len(context)).forward(torch.tensor(context))[-1].double()
+    return filtered(torch.softmax(logits, -1).numpy())
+
+
+def q_exact(target, head, context: list[int], drafts: list[int]) -> np.ndarray:
+    """The head's q for the next draft after `drafts`, from scratch: the target's features of
+    a separate pass over the context, the head over every position, then its own chain."""
+    n = len(context)
+    ids = torch.tensor(context)
+    feats = target.decoder(n).forward(ids[:-1], features=head.aux_layers)[1]
+    with torch.inference_mode():
+        out, logits, k, v = head(head.fc(feats), ids[1:], torch.arange(n - 1))
+        for j, d in enumerate(drafts):
+            out, logits, k2, v2 = head(out[-1:], torch.tensor([d]), torch.tensor([n - 1 + j]), k, v)
+            k, v = torch.cat([k, k2], dim=-2), torch.cat([v, v2], dim=-2)
+    qd = filtered(torch.softmax(logits[-1].double(), -1).numpy())
+    q = np.zeros(V2)
+    q[head.target_ids.numpy()] = qd
+    return q
+
+
+def exact_outcomes(target, head) -> np.ndarray:
+    """P(t1, t2, t3, how round 1 and 2 went) with k = 2 and max_new_tokens = 4, in float64.
+
+    Outcome codes: 0 = round 1 accepted none and round 2 (k = 1) none, 1 = round 1 none and
+    round 2 its draft, 2 = round 1 one of two, 3 = round 1 both. Accepting a draft x drawn from
+    q has probability min(p(x), q(x)); a rejection followed by the residual gives x with
+    probability max(0, p(x) - q(x))."""
+    joint = np.zeros((V2, V2, V2, 4))
+    p1 = p_exact(target, PROMPT2)
+    for t1 in range(V2):
+        ctx = [*PROMPT2, t1]
+        pa, qa = p_exact(target, ctx), q_exact(target, head, ctx, [])
+        for x in range(V2):
+            # round 1 rejects its first draft; t2 = x from the residual; round 2 drafts once
+            ctx2 = [*ctx, x]
+            pb, qb = p_exact(target, ctx2), q_exact(target, head, ctx2, [])
+            joint[t1, x, :, 0] += p1[t1] * max(0, pa[x] - qa[x]) * np.maximum(0, pb - qb)
+            joint[t1, x, :, 1] += p1[t1] * max(0, pa[x] - qa[x]) * np.minimum(pb, qb)
+            # round 1 accepts its first draft x; the second is drawn from q after x
+            pc, qc = p_exact(target, ctx2), q_exact(target, head, ctx, [x])
+            joint[t1, x, :, 2] += p1[t1] * min(pa[x], qa[x]) * np.maximum(0, pc - qc)
+            joint[t1, x, :, 3] += p1[t1] * min(pa[x], qa[x]) * np.minimum(pc, qc)
+    return joint
+
+
+def sample_outcomes(target, head, n: int = N2) -> np.ndarray:
+    import specfast
+
+    code = {(3, 0): 0, (3, 1): 1, (2, 1): 2, (2, 2): 3}  # (drafted, accepted) -> outcome
+    counts = np.zeros((V2, V2, V2, 4))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: a second thread only waits (10x slower when busy)
+    try:
+        for seed in range(n):
+            out = specfast.generate(
+                target, PROMPT2, max_new_tokens=4, temperature=1.0, top_k=TOP_K, seed=seed,
+                drafter=head, num_speculative_tokens=2, ignore_eos=True,
+            )  # fmt: skip
+            s = out.stats
+            counts[(*out.token_ids[:3], code[s.draft_tokens, s.accepted_tokens])] += 1
+    finally:
+        torch.set_num_threads(threads)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def exact_permuted(target2, permuted_head):
+    return exact_outcomes(target2, permuted_head)
+
+
+def test_exact_outcomes_sum_to_one_and_marginal_is_the_target(target2, exact_permuted):
+    assert exact_permuted.sum() == pytest.approx(1.0, abs=1e-12)
+    tokens = exact_permuted.sum(-1)
+    p1 = p_exact(target2, PROMPT2)
+    for a in range(V2):
+        p2 = p_exact(target2, [*PROMPT2, a])
+        for b in range(V2):
+            want = p1[a] * p2[b] * p_exact(target2, [*PROMPT2, a, b])
+            np.testing.assert_allclose(tokens[a, b], want, atol=1e-12)
+
+
+@pytest.mark.parametrize("which", ["permuted", "partial"])
+def test_joint_with_the_heads_q_is_exact(target2, permuted_head, partial_head, which):
+    head = permuted_head if which == "permuted" else partial_head
+    exact = exact_outcomes(target2, head)
+    # The controls below need rounds that both accept and reject, in numbers.
+    assert exact[..., 2:].sum() > 0.1 and exact[..., 1].sum() > 0.1
+    assert chi2_pvalue(sample_outcomes(target2, head), exact) > ALPHA
+
+
+def test_negative_control_q_before_the_draft_vocabulary_mapping(
+    target2, permuted_head, exact_permuted, monkeypatch
+):
+    import specfast.eagle
+
+    def unmapped(self, q):
+        # The bug: draft id i's probability put on target id i, as if d2t were all zeros.
+        full = q.new_zeros(q.shape[0], self.vocab_size)
+        full[:, : q.shape[1]] = q
+        return full
+
+    monkeypatch.setattr(specfast.eagle.EagleDraft, "_to_target", unmapped)
+    # The filtered q has zeros (top-k), so some draft lands where the unmapped q is 0: the
+    # acceptance core refuses it rather than letting a wrong distribution through.
+    with pytest.raises(ValueError, match="draft probability 0"):
+        sample_outcomes(target2, permuted_head)
+
+
+def test_negative_control_features_from_the_wrong_layer(
+    target2, permuted_head, exact_permuted, monkeypatch
+):
+    import specfast.eagle
+
+    real_init = specfast.eagle.EagleDraft.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        # The bug: the output of each aux layer (the next layer's input) instead of its input.
+        self.feature_layers = tuple(i + 1 for i in self.feature_layers)
+
+    monkeypatch.setattr(specfast.eagle.EagleDraft, "__init__", init)
+    assert chi2_pvalue(sample_outcomes(target2, permuted_head), exact_permuted) < ALPHA
+
+
+def test_negative_control_features_paired_with_the_wrong_position(
+    target2, permuted_head, exact_permuted, monkeypatch
+):
+    import specfast.eagle
+
+    def feed_same_position(self, features):
+        # The bug: position t's features read with token t instead of token t + 1.
+        pos, n = self.fed, features.shape[0]
+        tokens = torch.tensor(self.committed[pos : pos + n])
+        return self._step(self.head.fc(features), tokens)[-1:]
+
+    monkeypatch.setattr(specfast.eagle.EagleDraft, "_feed", feed_same_position)
+    assert chi2_pvalue(sample_outcomes(target2, permuted_head), exact_permuted) < ALPHA
+
+
+def test_negative_control_head_cache_not_rolled_back(
+    target2, permuted_head, exact_permuted, monkeypatch
+):
+    import specfast.eagle
+    from specfast.kv_cache import KVCache
+
+    class NoRollback(KVCache):
+        def rollback(self, length):
+            pass  # the bug: last round's drafts stay in the head's cache, positions shift
+
+    monkeypatch.setattr(specfast.eagle, "KVCache", NoRollback)
+    assert chi2_pvalue(sample_outcomes(target2, permuted_head), exact_permuted) < ALPHA
+
+
+# ----------------------------------------------------------------------------
+# SmolLM2 with the shipped head
+
+
+@pytest.mark.smollm
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+def test_smollm_greedy_with_the_shipped_head_is_plain_greedy(smollm, k):
+    import specfast
+    from specfast.eagle import DEFAULT_HEAD, WEIGHTS
+    from specfast.workloads import render_chat
+
+    if not (DEFAULT_HEAD / WEIGHTS).is_file():
+        pytest.skip(f"no shipped EAGLE head at {DEFAULT_HEAD} yet (the trainer delivers it)")
+    head = specfast.load_eagle(None, smollm)
+    question = "Why do leaves change colour in autumn? Answer in three sentences."
+    text = render_chat([{"role": "user", "content": question}], smollm.chat_template)
+    ids = smollm.tokenizer.encode(text).ids
+    plain = specfast.generate(smollm, ids, max_new_tokens=40, drafter=None).token_ids
+    out = specfast.generate(smollm, ids, max_new_tokens=40, drafter=head, num_speculative_tokens=k)
+    assert out.token_ids == plain
+    assert out.stats.accepted_tokens > 0  # the head drafted, and some drafts were right
+    if k == "auto":  # "eagle" is the same head, loaded by name
+        by_name = specfast.generate(smollm, ids, max_new_tokens=40, drafter="eagle")
+        assert by_name.token_ids == plain

@@ -35,6 +35,8 @@ ENGINES = (
     "specfast-draft",
     "specfast-draft-int8",
     "specfast-combined",
+    "specfast-eagle",  # opt-in: the EAGLE-3 head (--eagle PATH, default the shipped one)
+    "specfast-eagle+ngram",
     "hf-plain",
     "hf-prompt-lookup",
     "hf-assisted",
@@ -469,6 +471,8 @@ _COLORS = {
     "specfast-draft": "#3182bd",
     "specfast-draft-int8": "#6baed6",
     "specfast-combined": "#31a354",
+    "specfast-eagle": "#e6550d",
+    "specfast-eagle+ngram": "#a63603",
     "hf-plain": "#bdbdbd",
     "hf-prompt-lookup": "#e6550d",
     "hf-assisted": "#fd8d3c",
@@ -574,7 +578,8 @@ NO_EOS: list[int] = []
 
 
 class _Combined:
-    """A fresh CombinedDrafter per run: it holds one sequence's n-gram index and cache."""
+    """A fresh CombinedDrafter per run: it holds one sequence's n-gram index and cache. Its
+    draft is a draft model or an EAGLE head."""
 
     def __init__(self, draft_model: Any):
         self.draft_model = draft_model
@@ -724,12 +729,14 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
 
         args.dtype = str(resolve_dtype("auto", args.device)).removeprefix("torch.")
     print(f"loading {model_path} ({args.dtype}, {args.device})", file=sys.stderr)
-    sf_model = sf_draft = sf_draft_int8 = hf_model = hf_draft = None
+    sf_model = sf_draft = sf_draft_int8 = hf_model = hf_draft = sf_eagle = None
     if sf_needed:
         import specfast
 
         load = dict(device=args.device, dtype=args.dtype, compile=args.compile)
         sf_model = specfast.load_model(str(model_path), **load)
+        if any(e.startswith("specfast-eagle") for e in engines_wanted):
+            sf_eagle = specfast.load_eagle(getattr(args, "eagle", None), sf_model)
         if args.draft:
             sf_draft = specfast.load_model(str(args.draft), **load)
         if args.draft and "specfast-draft-int8" in engines_wanted:
@@ -784,6 +791,12 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             engines[e] = specfast_engine(
                 sf_model, drafter=_Combined(sf_draft), k=args.k, max_new_tokens=n
             )
+        elif e == "specfast-eagle":
+            engines[e] = specfast_engine(sf_model, drafter=sf_eagle, k=args.k, max_new_tokens=n)
+        elif e == "specfast-eagle+ngram":
+            engines[e] = specfast_engine(
+                sf_model, drafter=_Combined(sf_eagle), k=args.k, max_new_tokens=n
+            )
         elif e == "hf-plain":
             engines[e] = hf_engine(hf_model, "plain", max_new_tokens=n)
         elif e == "hf-prompt-lookup":
@@ -817,6 +830,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         "command": " ".join(["specfast", *argv]),
         "model": str(model_path),
         "draft": str(args.draft) if args.draft else None,
+        "eagle": str(getattr(args, "eagle", None) or "shipped") if sf_eagle is not None else None,
         "dtype": args.dtype,
         "dtype_requested": requested_dtype,
         "compile": args.compile,

@@ -161,9 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--drafter",
         default="ngram",
-        metavar="ngram|none|PATH|ngram+PATH",
-        help="'ngram' (default), 'none' for plain decoding, a draft model path, or "
-        "'ngram+PATH': the n-gram where the context repeats, the draft model elsewhere",
+        metavar="ngram|none|PATH|ngram+PATH|eagle[:PATH]",
+        help="'ngram' (default), 'none' for plain decoding, a draft model path, "
+        "'ngram+PATH': the n-gram where the context repeats, the draft model elsewhere, "
+        "'eagle' (the default model's shipped EAGLE-3 head) or 'eagle:PATH' (a head folder), "
+        "and 'ngram+eagle[:PATH]'",
     )
     g.add_argument(
         "--draft-int8",
@@ -255,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--out", default="bench-results", metavar="DIR", help="default: bench-results")
     b.add_argument("--draft", metavar="PATH", help="a draft model of the same vocabulary")
+    b.add_argument(
+        "--eagle",
+        metavar="PATH",
+        help="the EAGLE-3 head of the specfast-eagle engines (default: the shipped one)",
+    )
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     _add_runtime_options(b)
     b.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="specfast draft length")
@@ -409,6 +416,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         drafter = "ngram"
     elif args.drafter == "none":
         drafter = None
+    elif args.drafter.removeprefix("ngram+").partition(":")[0] == "eagle":
+        head = specfast.load_eagle(args.drafter.partition(":")[2] or None, model)
+        combined = args.drafter.startswith("ngram+")
+        drafter = specfast.CombinedDrafter(head) if combined else head
     else:
         combined = args.drafter.startswith("ngram+")
         path = args.drafter.removeprefix("ngram+")

@@ -11,8 +11,9 @@ what the target accepted. The round (generate.py's `speculate`) is:
 The protocol (`Drafter`):
 
 - `extend(tokens)`: committed tokens only; a drafter never sees a rejected one.
-- `prefill()`: called once per turn after the turn's prompt and first token are in; a drafter
-  with a cache reads them now, so its first proposal costs one ordinary step.
+- `prefill(features)`: called once per turn after the turn's prompt and first token are in; a
+  drafter with a cache reads them now, so its first proposal costs one ordinary step.
+  `features` is None unless the drafter wants them (below).
 - `start_turn(seed, params)`: the turn's sampling (`params` None when greedy). A draft model
   samples with it so its q is the very distribution the acceptance rule divides by.
 - `propose(budget) -> Proposal`: at most `budget` tokens; the drafter picks k (fixed or auto).
@@ -21,12 +22,13 @@ The protocol (`Drafter`):
   rewind, or an interrupted turn). An n-gram index resets and re-extends; a draft model cuts its
   committed list and its cache follows on the next proposal.
 
-`verified` is the verify pass (`Verified`): its logits and how many rows were kept. A future
-EAGLE head needs the target's hidden states of the kept rows; it will set `wants_features`, and
-the round then hands them over in `Verified.features`. The runtime does not return hidden
-states yet, so the round refuses a drafter that wants them (see `check_features`).
+`verified` is the verify pass (`Verified`): its logits and how many rows were kept. A drafter
+that reads the target's hidden states (an EAGLE head, eagle.py) sets `wants_features` and
+`feature_layers`; the target's passes then also return those layers' inputs (one pass, no
+second forward), and the round hands over the kept rows' features in `Verified.features` and
+the prefilled rows' in `prefill(features)`. Only specfast's own runtime returns them.
 
-Adding a drafter is one class here plus a line in `make_drafter`.
+Adding a drafter is one class (here, or in its own file) plus a line in `make_drafter`.
 """
 
 from __future__ import annotations
@@ -61,9 +63,10 @@ class Verified:
 
 class Drafter(Protocol):
     wants_features: bool
+    feature_layers: tuple[int, ...]  # the target layers whose inputs it reads, when it wants any
 
     def extend(self, tokens: list[int]) -> None: ...
-    def prefill(self) -> None: ...
+    def prefill(self, features: torch.Tensor | None = None) -> None: ...
     def start_turn(self, seed: int, params: dict | None) -> None: ...
     def propose(self, budget: int) -> Proposal: ...
     def observe(
@@ -76,8 +79,9 @@ class _Base:
     """Defaults: no cache to prefill, no sampling state, no features."""
 
     wants_features = False
+    feature_layers: tuple[int, ...] = ()
 
-    def prefill(self) -> None:
+    def prefill(self, features=None) -> None:
         pass
 
     def start_turn(self, seed: int, params: dict | None) -> None:
@@ -119,7 +123,7 @@ class IndexDraft(_Base):
     def extend(self, tokens) -> None:
         self.inner.extend(tokens)
 
-    def prefill(self) -> None:
+    def prefill(self, features=None) -> None:
         if hasattr(self.inner, "prefill"):
             self.inner.prefill()
 
@@ -161,7 +165,7 @@ class ModelDraft(_Base):
     def extend(self, tokens) -> None:
         self.inner.extend(tokens)
 
-    def prefill(self) -> None:
+    def prefill(self, features=None) -> None:
         self.inner.prefill()
 
     def start_turn(self, seed: int, params: dict | None) -> None:
@@ -238,16 +242,25 @@ def make_drafter(
     eos_ids: list[int],
 ) -> Drafter:
     """The protocol object for generate()'s `drafter` argument: "ngram", None, an NgramDrafter
-    (or any object with extend/propose), a draft model, or a CombinedDrafter."""
+    (or any object with extend/propose), a draft model, a CombinedDrafter, or an EAGLE head
+    ("eagle", "eagle:PATH", an EagleHead from load_eagle)."""
     from specfast.draft import CombinedDrafter, DraftModelDrafter
+    from specfast.eagle import EagleHead, eagle_drafter
     from specfast.runtime import is_model
 
     if drafter is None:
         return NoDraft()
+    if (
+        isinstance(drafter, EagleHead)
+        or (isinstance(drafter, str) and drafter.partition(":")[0] == "eagle")
+        or (isinstance(drafter, CombinedDrafter) and isinstance(drafter.model, EagleHead))
+    ):
+        return eagle_drafter(drafter, target, fixed_k, max_length)
     if isinstance(drafter, str):
         if drafter != "ngram":
             raise ValueError(
-                f'drafter must be "ngram", None, an NgramDrafter or a model: {drafter!r}'
+                f'drafter must be "ngram", "eagle", "eagle:PATH", None, an NgramDrafter, an '
+                f"EAGLE head or a model: {drafter!r}"
             )
         return IndexDraft(NgramDrafter(), fixed_k)
     if is_model(drafter) or isinstance(drafter, CombinedDrafter):
@@ -267,13 +280,11 @@ def make_drafter(
     if hasattr(drafter, "propose") and hasattr(drafter, "extend"):
         return IndexDraft(drafter, fixed_k)
     raise TypeError(
-        'drafter must be "ngram", None, an NgramDrafter or a draft model, '
-        f"got {type(drafter).__name__}"
+        'drafter must be "ngram", "eagle", None, an NgramDrafter, an EAGLE head or a draft '
+        f"model, got {type(drafter).__name__}"
     )
 
 
-def check_features(drafter: Drafter) -> None:
-    if getattr(drafter, "wants_features", False):
-        raise NotImplementedError(
-            "this drafter wants the target's hidden states, which the runtime does not return yet"
-        )
+def feature_layers(drafter: Drafter) -> tuple[int, ...] | None:
+    """The target layers whose features the round must return for this drafter, or None."""
+    return tuple(drafter.feature_layers) if getattr(drafter, "wants_features", False) else None

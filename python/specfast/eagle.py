@@ -296,31 +296,38 @@ class EagleHead(nn.Module):
 
     # -- forward
 
-    def layer(self, hidden, tokens, cos, sin, attend) -> torch.Tensor:
+    def layer(self, hidden, tokens, cos, sin, attend, fast: FastLinears | None = None):
         """hidden (..., T, H), tokens (..., T), cos/sin (..., T, 1, hd) at the rows' positions;
         `attend(q, k, v)` with q (..., Hkv, g*T, hd), k and v (..., Hkv, T, hd) -> (..., Hkv,
-        g*T, hd). -> out_hidden (..., T, H)."""
+        g*T, hd). -> out_hidden (..., T, H). `fast`: the drafter's prepacked matrices
+        (inference only; training uses the modules)."""
         c, mid = self.config, self.midlayer
-        attn = mid.self_attn
+        attn, mlp = mid.self_attn, mid.mlp
         H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         g, T, lead = H // Hkv, hidden.shape[-2], hidden.shape[:-2]
         x = torch.cat([mid.input_layernorm(self.embed(tokens)), mid.hidden_norm(hidden)], dim=-1)
-        q = attn.q_proj(x).view(*lead, T, H, hd)
-        k = attn.k_proj(x).view(*lead, T, Hkv, hd)
-        v = attn.v_proj(x).view(*lead, T, Hkv, hd)
+        if fast is None:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        else:
+            q, k, v = fast("qkv", x).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q, k = q.view(*lead, T, H, hd), k.view(*lead, T, Hkv, hd)
+        v = v.view(*lead, T, Hkv, hd)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # (..., T, H, hd) -> (..., Hkv, g*T, hd): query head h uses kv head h // g
         q = q.transpose(-3, -2).reshape(*lead, Hkv, g * T, hd)
         y = attend(q, k.transpose(-3, -2), v.transpose(-3, -2))  # (..., Hkv, g*T, hd)
         y = y.reshape(*lead, H, T, hd).transpose(-3, -2).reshape(*lead, T, H * hd)
-        x = hidden + attn.o_proj(y)
+        x = hidden + (attn.o_proj(y) if fast is None else fast("o", y))
         n = mid.post_attention_layernorm(x)
-        mlp = mid.mlp
-        return x + mlp.down_proj(F.silu(mlp.gate_proj(n)) * mlp.up_proj(n))
+        if fast is None:
+            return x + mlp.down_proj(F.silu(mlp.gate_proj(n)) * mlp.up_proj(n))
+        gate, up = fast("gate_up", n).chunk(2, dim=-1)
+        return x + fast("down", F.silu(gate) * up)
 
-    def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, out_hidden: torch.Tensor, fast: FastLinears | None = None) -> torch.Tensor:
         """(..., T, H) -> (..., T, Vd) over the draft vocabulary."""
-        return self.lm_head(self.norm(out_hidden))
+        x = self.norm(out_hidden)
+        return self.lm_head(x) if fast is None else fast("lm_head", x)
 
     def forward(
         self,
@@ -367,6 +374,40 @@ class EagleHead(nn.Module):
 
         x = self.layer(hidden, tokens, cos, sin, attend)
         return x, self.logits(x), out_k[0], out_k[1]
+
+
+class FastLinears:
+    """The head's matrices for drafting: q/k/v and gate/up fused, and on CPU oneDNN-prepacked
+    as the target's are (a plain bf16 F.linear re-lays out its weight on every call: a head
+    step cost 100 ms instead of 2). A copy made once per drafter; the head's own weights stay
+    what training and saving use."""
+
+    def __init__(self, head: EagleHead):
+        from specfast.model import _HAS_MKLDNN_LINEAR
+
+        mid = head.midlayer
+        a, m = mid.self_attn, mid.mlp
+        weights = {
+            "fc": head.fc.weight,
+            "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            "o": a.o_proj.weight,
+            "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+            "down": m.down_proj.weight,
+            "lm_head": head.lm_head.weight,
+        }
+        self.weights = {k: w.detach().contiguous() for k, w in weights.items()}
+        self.packed: dict = dict.fromkeys(self.weights)
+        if head.fc.weight.device.type == "cpu" and _HAS_MKLDNN_LINEAR:
+            try:
+                for k, w in self.weights.items():
+                    self.packed[k] = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+            except RuntimeError:  # a oneDNN build that cannot pack this dtype: plain F.linear
+                self.packed = dict.fromkeys(self.weights)
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        from specfast.model import _linear
+
+        return _linear(x, self.weights[name], self.packed[name])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -607,10 +648,15 @@ class EagleDraft(_Base):
         self.cache = KVCache(1, c.num_key_value_heads, max_length, c.head_dim, w.device, w.dtype)
         head.rope(max_length)
         self.target_ids = head.target_ids.to(w.device)  # (Vd,)
+        with torch.inference_mode():
+            self.fast = FastLinears(head)
         self.vocab_size = c.vocab_size
         self.committed: list[int] = []
         self.fed = 0  # head cache positions [0, fed) hold the target's real features
-        self.pending: torch.Tensor | None = None  # features of positions [fed, ...), not fed
+        # Target features of positions [fed, fed + n_pending), not fed yet: a list, so rounds
+        # that do not draft (auto k) append in O(1) and the next draft concatenates once.
+        self.pending: list[torch.Tensor] = []
+        self.n_pending = 0
         self.generator = torch.Generator(device=w.device)
         self.greedy, self.sampling = True, {}
         self.draft_probs: torch.Tensor | None = None
@@ -632,18 +678,18 @@ class EagleDraft(_Base):
         first proposal is one ordinary step."""
         if features is None:
             raise ValueError("the EAGLE drafter needs the target's features of the prompt")
-        start = len(self.committed) - 1 - features.shape[0]
-        self._add_features(start, features)
-        n = self.pending.shape[0] - 1 if self.pending is not None else 0
-        if n > 0:
+        self._add_features(len(self.committed) - 1 - features.shape[0], features)
+        if self.n_pending > 1:
+            rows = self._take_pending()
             self.cache.rollback(self.fed)
-            self._feed(self.pending[:n])
-            self.fed, self.pending = self.fed + n, self.pending[n:]
+            self._feed(rows[:-1])
+            self.fed += rows.shape[0] - 1
+            self.pending, self.n_pending = [rows[-1:]], 1
 
     def propose(self, budget: int) -> Proposal:
         k = self.fixed_k if self.auto is None else self.auto.choose_draft()
         k = min(k, budget)
-        if k <= 0 or self.pending is None:
+        if k <= 0 or not self.n_pending:
             return Proposal([])
         tokens = self._draft(k)
         return Proposal(tokens, self.draft_probs, None, list(self.confidences))
@@ -663,34 +709,41 @@ class EagleDraft(_Base):
         forgotten (the target re-sends them when it prefills them again)."""
         self.committed = [int(t) for t in kept]
         known = max(len(self.committed) - 1, 0)
-        if self.fed > known:
-            self.fed, self.pending = known, None
-        elif self.pending is not None:
-            self.pending = self.pending[: known - self.fed] if known > self.fed else None
+        if self.fed >= known:
+            self.fed, self.pending, self.n_pending = known, [], 0
+        elif self.fed + self.n_pending > known:
+            self.pending = [self._take_pending()[: known - self.fed]]
+            self.n_pending = known - self.fed
 
     # -- the head's passes
 
     def _add_features(self, start: int, features: torch.Tensor) -> None:
         """Records the target's features of positions [start, start + len(features))."""
-        have = self.fed + (0 if self.pending is None else self.pending.shape[0])
+        have = self.fed + self.n_pending
         if not 0 <= start <= have:
             raise ValueError(
                 f"the EAGLE drafter got target features from position {start} but knows only "
                 f"[0, {have}); rebuild it (a new generate() call or Session)"
             )
         if start < self.fed:  # the target recomputed rows the head had: take them again
-            self.fed, self.pending = start, features
-        elif self.pending is None or start == self.fed:
-            self.pending = features
-        else:
-            self.pending = torch.cat([self.pending[: start - self.fed], features])
+            self.fed, self.pending = start, []
+        elif start < have:  # rows past `start` were recomputed: keep those before it
+            self.pending = [self._take_pending()[: start - self.fed]]
+        self.pending.append(features)
+        self.n_pending = start - self.fed + features.shape[0]
+
+    def _take_pending(self) -> torch.Tensor:
+        """The pending features as one (n_pending, F) tensor."""
+        rows = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+        self.pending = [rows]
+        return rows
 
     def _feed(self, features: torch.Tensor) -> torch.Tensor:
         """Runs the head over positions [fed, fed + n) with the target's features there and
         the committed tokens one ahead -> out_hidden of the last row (1, H)."""
         pos, n = self.fed, features.shape[0]
         tokens = torch.tensor(self.committed[pos + 1 : pos + 1 + n], device=self.device)
-        hidden = self.head.fc(features.to(self.head.fc.weight.dtype))  # (n, H)
+        hidden = self.fast("fc", features.to(self.head.fc.weight.dtype))  # (n, H)
         return self._step(hidden, tokens)[-1:]
 
     def _step(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -712,18 +765,19 @@ class EagleDraft(_Base):
             k_all, v_all = self.cache.write(0, pos, k, v)
             return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
-        out = self.head.layer(hidden, tokens, cos, sin, attend)
+        out = self.head.layer(hidden, tokens, cos, sin, attend, self.fast)
         self.cache.length = pos + T
         return out
 
     def _draft(self, k: int) -> list[int]:
         """Re-feeds the pending real rows, then drafts up to k tokens."""
+        rows = self._take_pending()
         self.cache.rollback(self.fed)  # forget last round's drafts
-        hidden = self._feed(self.pending)
-        self.fed, self.pending = self.fed + self.pending.shape[0], None
+        hidden = self._feed(rows)
+        self.fed, self.pending, self.n_pending = self.fed + rows.shape[0], [], 0
         drafts, qs, confidences = [], [], []
         for i in range(k):
-            logits = self.head.logits(hidden).float()  # (1, Vd)
+            logits = self.head.logits(hidden, self.fast).float()  # (1, Vd)
             row, q = self._choose(logits)
             token = self.target_ids[row]  # (1,)
             drafts.append(token)
@@ -758,9 +812,51 @@ def _probability(logits: torch.Tensor, q: torch.Tensor | None, row: torch.Tensor
     return float(torch.softmax(logits[0], dim=-1)[row])
 
 
+class EagleNgramDraft(EagleDraft):
+    """CombinedDrafter(head): the n-gram where the context repeats, the head elsewhere. Auto k
+    picks the source each round (AutoK.choose_source, as CombinedDraft); a fixed k drafts with
+    the n-gram when its match is at least `min_match` tokens. While the n-gram drafts, the
+    head's pending features pile up and are fed in one pass the next time it drafts."""
+
+    def __init__(self, combined, target, fixed_k, max_length):
+        super().__init__(combined.model, target, fixed_k, max_length)
+        self.ngram, self.min_match = combined.ngram, combined.min_match
+
+    def extend(self, tokens) -> None:
+        super().extend(tokens)
+        self.ngram.extend(tokens)
+
+    def propose(self, budget: int) -> Proposal:
+        match = self.ngram.match_length
+        if self.auto is None:
+            use_ngram, k = match >= self.min_match, self.fixed_k
+        else:
+            use_ngram, k = self.auto.choose_source(match)
+            if k and not use_ngram:
+                k = self.auto.max_draft_k  # the head stops itself (keep_drafting)
+        k = min(k, budget)
+        if k > 0 and use_ngram:
+            tokens = list(self.ngram.propose(k))[:k]
+            if tokens:
+                return Proposal(tokens, None, match)
+        if k <= 0 or not self.n_pending:
+            return Proposal([], evidence=match if use_ngram else None)
+        tokens = self._draft(k)
+        return Proposal(tokens, self.draft_probs, None, list(self.confidences))
+
+    def rollback(self, kept) -> None:
+        super().rollback(kept)
+        self.ngram.reset()
+        self.ngram.extend(self.committed)
+
+
 def eagle_drafter(drafter, target, fixed_k: int | None, max_length: int) -> EagleDraft:
-    """make_drafter's EAGLE case: "eagle" (the default model's shipped head), "eagle:PATH", or
-    an EagleHead."""
+    """make_drafter's EAGLE case: "eagle" (the default model's shipped head), "eagle:PATH", an
+    EagleHead, or a CombinedDrafter of an EagleHead (with the n-gram)."""
+    from specfast.draft import CombinedDrafter
+
+    if isinstance(drafter, CombinedDrafter):
+        return EagleNgramDraft(drafter, target, fixed_k, max_length)
     if isinstance(drafter, str):
         path = drafter.partition(":")[2] or None
         if path is None and not DEFAULT_HEAD.is_dir():

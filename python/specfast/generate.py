@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from specfast._core import accept_greedy, accept_sampled
-from specfast.drafters import Verified, check_features, make_drafter
+from specfast.drafters import Verified, feature_layers, make_drafter
 from specfast.sampling import (
     accept_sampled_torch,
     check_sampling_params,
@@ -316,7 +316,6 @@ def run_turn(
     """Continues `ids` (the whole context) by one reply. The decoder holds `ids[:decoder.length]`
     and the drafter `ids[:indexed]`; the rest is prefilled here, then rounds run to the end.
     Returns with the cache holding every committed token but the last, as a round leaves it."""
-    check_features(drafter)
     start = time.perf_counter() if start is None else start
     stats = GenerationStats(acceptance_histogram=[0] * ((fixed_k or MAX_SPECULATIVE_TOKENS) + 1))
     s = settings
@@ -325,7 +324,7 @@ def run_turn(
     with torch.inference_mode():
         reused = decoder.length
         new = torch.tensor(ids[reused:], dtype=torch.long, device=s.device)
-        logits = decoder.forward(new, last_only=True)  # (1, V)
+        logits, features = _forward(decoder, new, feature_layers(drafter), last_only=True)
         first = _choose(logits, [], None, 0, s.sampling)
         stats.target_passes = 1
         stats.prefill_tokens, stats.reused_tokens = len(ids) - reused, reused
@@ -333,7 +332,7 @@ def run_turn(
         emit.commit(*first)
         drafter.extend(ids[indexed:])
         drafter.extend(emit.token_ids)
-        drafter.prefill()  # a draft model reads the prompt now, not in round one
+        drafter.prefill(features)  # a draft model reads the prompt now, not in round one
         while not emit.done:
             speculate(decoder, drafter, emit, s, stats)
     stats.seconds = time.perf_counter() - start
@@ -361,11 +360,13 @@ def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: Gener
     ids = torch.tensor([emit.token_ids[-1], *draft], dtype=torch.long, device=settings.device)
     sampling = settings.sampling
     q = proposal.q if sampling is not None and draft else None
-    out, logits = _verify(decoder, ids, draft, q, len(emit.token_ids), sampling)
+    layers = feature_layers(drafter)
+    out, logits, features = _verify(decoder, ids, draft, q, len(emit.token_ids), sampling, layers)
     n_accepted = len(out) - 1
-    drafter.observe(
-        proposal, n_accepted, time.perf_counter() - t1, Verified(logits, n_accepted + 1)
-    )
+    if features is not None:
+        features = features[: n_accepted + 1]
+    verified = Verified(logits, n_accepted + 1, features)
+    drafter.observe(proposal, n_accepted, time.perf_counter() - t1, verified)
     # Keep [last, accepted drafts] in the cache; the new token goes in next round.
     decoder.rollback(decoder.length - len(draft) + n_accepted)
     committed = emit.commit(*out)
@@ -376,16 +377,28 @@ def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: Gener
     drafter.extend(emit.token_ids[-committed:])
 
 
-def _verify(decoder, ids, draft, q, pos, sampling) -> tuple[list[int], torch.Tensor | None]:
-    """One target pass over ids = [last, *draft] -> (tokens it commits, its logits or None).
+def _verify(decoder, ids, draft, q, pos, sampling, layers=None):
+    """One target pass over ids = [last, *draft] -> (tokens it commits, its logits or None,
+    the features of `layers` for every row or None).
 
     Greedy: the argmax of every row is taken inside the step (a compiled step's graph) and the
     k+1 ids are the round's one device-to-host copy; the accepted count is their leading run of
     matches, counted on the host (O(k)). Sampling needs the logits."""
     if sampling is None:
-        return accept_greedy(draft, decoder.forward_greedy(ids).tolist()), None
-    logits = decoder.forward(ids)  # (1 + len(draft), V)
-    return _choose(logits, draft, q, pos, sampling), logits
+        if layers is None:
+            return accept_greedy(draft, decoder.forward_greedy(ids).tolist()), None, None
+        top, features = decoder.forward_greedy(ids, features=layers)
+        return accept_greedy(draft, top.tolist()), None, features
+    logits, features = _forward(decoder, ids, layers)  # (1 + len(draft), V)
+    return _choose(logits, draft, q, pos, sampling), logits, features
+
+
+def _forward(decoder, ids, layers, last_only=False):
+    """decoder.forward -> (logits, features of `layers` or None). Only decoders that can give
+    features (specfast's Decoder) are asked for them; make_drafter checks that."""
+    if layers is None:
+        return decoder.forward(ids, last_only=last_only), None
+    return decoder.forward(ids, last_only=last_only, features=layers)
 
 
 def _choose(logits, draft, q, pos, sampling) -> list[int]:
