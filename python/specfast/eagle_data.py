@@ -438,7 +438,10 @@ def answer_prompts(
         return done
     tok = model.tokenizer
     t0, n_new = time.perf_counter(), 0
-    enc = [(tok.encode(p.text).ids, p) for p in todo]
+    # A prompt longer than the context leaves keeps its end (what the answer continues).
+    keep = max(model.max_context - max_new_tokens, 1)
+    max_new_tokens = min(max_new_tokens, model.max_context - 1)
+    enc = [(tok.encode(p.text).ids[-keep:], p) for p in todo]
     if engine == "hf":
         answers = _answers_hf(model, enc, max_new_tokens, batch_size)
     elif engine == "batched":
