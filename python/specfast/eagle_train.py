@@ -1,0 +1,783 @@
+"""Training an EAGLE-3 head on data the target made (see eagle_data), in SpecForge's layout.
+
+The recipe is EAGLE-3's "training-time test" as SpecForge implements it: step 0 reads fc(target
+features of position t) with token t+1 and predicts token t+2; step s > 0 reads the previous
+step's output hidden state with token t+1+s, at RoPE position t+s, and attends to step-0 keys at
+positions <= t plus its own chain's keys of steps 1..s at position t (what drafting sees).
+The loss of step s is the soft cross-entropy against the target's distribution on the draft
+vocabulary, positions whose target argmax lies outside the draft vocabulary masked (as
+SpecForge does), weighted 0.8^s. AdamW, linear warmup then cosine decay.
+
+Deterministic for a seed (no dropout; data order from the seed), resumable from
+`checkpoint.pt` (weights, optimizer state, step; the data order is recomputed).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ---------------------------------------------------------------------------- the head
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in float32 (under autocast x arrives in bf16): a norm is cheap and precision-sensitive
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+
+
+def _linear(i: int, o: int) -> nn.Linear:
+    return nn.Linear(i, o, bias=False)
+
+
+class TrainHead(nn.Module):
+    """An EAGLE-3 head whose state_dict keys are SpecForge's tensor names (fc.weight,
+    midlayer.self_attn.q_proj.weight, ..., norm.weight, lm_head.weight, d2t, t2d)."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        H, Ht = config["hidden_size"], config["target_hidden_size"]
+        nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+        hd, inter, eps = config["head_dim"], config["intermediate_size"], config["rms_norm_eps"]
+        Vd, V = config["draft_vocab_size"], config["vocab_size"]
+        self.fc = _linear(3 * Ht, H)
+        m = self.midlayer = nn.Module()
+        m.input_layernorm = RMSNorm(H, eps)
+        m.hidden_norm = RMSNorm(H, eps)
+        m.post_attention_layernorm = RMSNorm(H, eps)
+        a = m.self_attn = nn.Module()
+        a.q_proj, a.k_proj = _linear(2 * H, nh * hd), _linear(2 * H, nkv * hd)
+        a.v_proj, a.o_proj = _linear(2 * H, nkv * hd), _linear(nh * hd, H)
+        p = m.mlp = nn.Module()
+        p.gate_proj, p.up_proj, p.down_proj = (
+            _linear(H, inter),
+            _linear(H, inter),
+            _linear(inter, H),
+        )
+        self.norm = RMSNorm(H, eps)
+        self.lm_head = _linear(H, Vd)
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        hd_half = torch.arange(0, hd, 2, dtype=torch.float64) / hd
+        self.inv_freq = (1.0 / config["rope_theta"] ** hd_half).float()  # (hd/2,)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """(Vd,) target ids of the draft vocabulary, in draft order."""
+        return torch.arange(len(self.d2t)) + self.d2t
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(positions.double(), self.inv_freq.double()).float()  # (T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # (T, 1, hd)
+        return emb.cos(), emb.sin()
+
+    def step(self, emb, hidden, positions, keys: list, values: list) -> torch.Tensor:
+        """One midlayer pass over T positions -> out_hidden (T, H). Appends this step's keys
+        and values to `keys`/`values`; keys[0] is step 0 (causal over positions), keys[j > 0]
+        the chain's step j at the same position (a diagonal)."""
+        c, m = self.config, self.midlayer
+        T = hidden.shape[0]
+        nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        g = nh // nkv
+        x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)], dim=-1)  # (T, 2H)
+        a = m.self_attn
+        q = a.q_proj(x).view(T, nh, hd)
+        k = a.k_proj(x).view(T, nkv, hd)
+        v = a.v_proj(x).view(T, nkv, hd)
+        cos, sin = self.rope(positions)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # (T, nkv, hd) -> (nh, T, hd): head h reads kv head h // g, as repeat_kv does
+        keys.append(k.transpose(0, 1).repeat_interleave(g, dim=0))
+        values.append(v.transpose(0, 1).repeat_interleave(g, dim=0))
+        qh = q.transpose(0, 1)  # (nh, T, hd)
+        scale = 1.0 / math.sqrt(hd)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril_()
+        scores = (qh @ keys[0].transpose(1, 2)).float() * scale  # (nh, T, T)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = [(qh * kj).sum(-1, keepdim=True).float() * scale for kj in keys[1:]]  # (nh, T, 1)
+        w = torch.cat([scores, *diag], dim=-1).softmax(dim=-1).to(qh.dtype)
+        y = w[..., :T] @ values[0]  # (nh, T, hd)
+        for j, vj in enumerate(values[1:]):
+            y = y + w[..., T + j : T + j + 1] * vj
+        y = y.transpose(0, 1).reshape(T, nh * hd)
+        x = hidden + a.o_proj(y)
+        h = m.post_attention_layernorm(x)
+        return x + m.mlp.down_proj(F.silu(m.mlp.gate_proj(h)) * m.mlp.up_proj(h))
+
+    def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out_hidden))  # (T, Vd)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def head_config(target, draft_vocab_size: int, aux_layers) -> dict:
+    """config.json of a head for `target` (a specfast Model), SpecForge/vLLM keys."""
+    c = target.config
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.dim,
+        "target_hidden_size": c.dim,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_context,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)},
+    }
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `size` most frequent ids of `counts` (V,) -> (d2t (size,) int64, t2d (V,) bool),
+    draft ids in increasing target id (ties broken by the lower id)."""
+    if not 0 < size <= counts.numel():
+        raise ValueError(f"draft vocabulary size must be in [1, {counts.numel()}], got {size}")
+    # stable sort on -count: equal counts keep increasing id order, so the choice is unique
+    order = torch.sort(-counts.to(torch.int64), stable=True).indices[:size]
+    ids = order.sort().values
+    t2d = torch.zeros(counts.numel(), dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(size), t2d
+
+
+def init_head(target, config: dict, d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> TrainHead:
+    """A head ready to train: N(0, 0.02) matrices, unit norms; then lm_head copied from the
+    target's output rows of the draft vocabulary and norm from a tenth of its final norm (the
+    output space starts where the target's is, at a soft scale). Measured on SmolLM2: with the
+    full norm gain, or with fc passing the last aux feature through, the head started
+    confidently wrong (loss above a uniform guess's) and took many steps to unlearn it."""
+    torch.manual_seed(seed)
+    head = TrainHead(config)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        head.lm_head.weight.copy_(target.output_weight[head.draft_ids].float())
+        # A tenth of the target's final norm gain: the copied output rows give logits at a
+        # tenth of the target's scale, a soft start (full scale started confidently wrong).
+        head.norm.weight.copy_(0.1 * target.norm.float())
+    return head
+
+
+# ---------------------------------------------------------------------------- captured data
+
+
+class Captured:
+    """Documents captured by eagle_data.capture, read lazily from their shards."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.files = sorted(Path(folder).glob("shard_*.safetensors"))
+        if not self.files:
+            raise ValueError(f"no captured shards (shard_*.safetensors) in {folder}")
+        self.handles = [safe_open(str(f), framework="pt") for f in self.files]
+        self.docs: list[tuple[int, int, int]] = []  # (shard, start, end)
+        for i, h in enumerate(self.handles):
+            off = h.get_tensor("offsets").tolist()
+            self.docs += [(i, a, b) for a, b in itertools.pairwise(off) if b - a >= 2]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def get(self, i: int) -> dict[str, torch.Tensor]:
+        s, a, b = self.docs[i]
+        h = self.handles[s]
+        return {k: h.get_slice(k)[a:b] for k in ("tokens", "features", "normed", "argmax")}
+
+    def token_counts(self, vocab_size: int, docs: list[int]) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for i in docs:
+            t = self.get(i)["tokens"].long()
+            counts += torch.bincount(t, minlength=vocab_size)[:vocab_size]
+        return counts
+
+
+# ---------------------------------------------------------------------------- one document
+
+
+def ttt_loss(
+    head: TrainHead,
+    doc: dict[str, torch.Tensor],
+    embed: torch.Tensor,
+    out_rows: torch.Tensor,
+    steps: int,
+    decay: float = 0.8,
+) -> tuple[torch.Tensor, dict]:
+    """The training-time-test loss of one document of N positions, and its counts.
+
+    doc: tokens (N,), features (N, 3Ht), normed (N, Ht), argmax (N,) from the target.
+    embed (V, H) is the target's embedding, out_rows (Vd, Ht) its output rows of the draft
+    vocabulary. Position t in [0, N-1) at step s feeds token t+1+s and is scored against the
+    target's distribution at position t+1+s (which predicts token t+2+s).
+    """
+    tokens = doc["tokens"].long()
+    N = tokens.shape[0]
+    T = N - 1
+    dtype = head.fc.weight.dtype
+    with torch.no_grad():
+        p_target = (doc["normed"].float() @ out_rows.float().T).softmax(dim=-1)  # (N, Vd)
+        top = doc["argmax"].long()
+        in_draft = head.t2d[top]  # (N,) SpecForge's mask: target argmax in the draft vocab
+    hidden = head.fc(doc["features"].to(dtype)[:T])  # (T, H)
+    pos = torch.arange(T)
+    keys: list = []
+    values: list = []
+    total = torch.zeros(())
+    agree = []
+    for s in range(steps):
+        idx = (pos + 1 + s).clamp_max(N - 1)
+        valid = pos + 1 + s <= N - 1
+        emb = embed[tokens[idx]].to(dtype)
+        hidden = head.step(emb, hidden, pos + s, keys, values)
+        logp = head.logits(hidden).float().log_softmax(dim=-1)  # (T, Vd)
+        mask = (valid & in_draft[idx]).float()
+        total = total + decay**s * -(mask * (p_target[idx] * logp).sum(-1)).sum() / T
+        with torch.no_grad():
+            drafted = head.draft_ids[logp.argmax(dim=-1)]
+            agree.append((drafted == top[idx]) & valid)
+    with torch.no_grad():
+        full = pos + steps <= N - 1  # positions every step can score
+        run = torch.stack(agree).long().cumprod(dim=0)  # (S, T): still accepted after step s
+        stats = {
+            "positions": T,
+            "agree": [int(a.sum()) for a in agree],
+            "valid": [int((pos + 1 + s <= N - 1).sum()) for s in range(steps)],
+            "chain": int(run[:, full].sum()),
+            "chain_positions": int(full.sum()),
+        }
+    return total, stats
+
+
+def merge_stats(acc: dict | None, s: dict) -> dict:
+    if acc is None:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in s.items()}
+    for k, v in s.items():
+        acc[k] = (
+            [a + b for a, b in zip(acc[k], v, strict=True)] if isinstance(v, list) else acc[k] + v
+        )
+    return acc
+
+
+def summary(stats: dict) -> dict:
+    """acc per step (top-1 agreement with the target) and tau: 1 + the mean run of agreeing
+    steps from step 0, an estimate of the mean acceptance length at k = steps (greedy)."""
+    acc = [a / max(v, 1) for a, v in zip(stats["agree"], stats["valid"], strict=True)]
+    tau = 1 + stats["chain"] / max(stats["chain_positions"], 1)
+    return {"acc": [round(a, 4) for a in acc], "tau": round(tau, 4)}
+
+
+# ---------------------------------------------------------------------------- greedy acceptance
+
+
+def chain_drafts(head: TrainHead, features, tokens, embed, steps: int) -> torch.Tensor:
+    """What greedy chain drafting proposes from every position at once -> (steps, T) target
+    ids, T = N - 1: row s, column t is the (s+1)-th draft of a round whose step 0 reads the
+    target's features of position t with token t+1. Later steps feed the head's own drafts, as
+    drafting does (the same attention as training-time test, own tokens instead of the text's)."""
+    tokens = tokens.long()
+    T = tokens.shape[0] - 1
+    pos = torch.arange(T)
+    dtype = head.fc.weight.dtype
+    with torch.no_grad():
+        hidden = head.fc(features[:T].to(dtype))
+        keys: list = []
+        values: list = []
+        tok, out = tokens[1:], []
+        for s in range(steps):
+            hidden = head.step(embed[tok].to(dtype), hidden, pos + s, keys, values)
+            tok = head.draft_ids[head.logits(hidden).argmax(dim=-1)]
+            out.append(tok)
+    return torch.stack(out)
+
+
+def greedy_acceptance(drafts: torch.Tensor, tokens, start: int, k: int) -> list[int]:
+    """Rounds of greedy chain drafting over `tokens` (the target's own greedy text) from the
+    round whose first draft is token `start` -> tokens emitted per round (accepted + 1).
+    A round at t (step 0 reads position t) drafts tokens t+2..; the next round starts one past
+    the target's own token."""
+    tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+    d = drafts.tolist()
+    rounds, t, N = [], start - 2, len(tokens)
+    while t + 2 < N:
+        a = 0
+        while a < min(k, len(d)) and t + 2 + a < N and d[a][t] == tokens[t + 2 + a]:
+            a += 1
+        emitted = min(a + 1, N - (t + 2))
+        rounds.append(emitted)
+        t += emitted
+    return rounds
+
+
+def held_out_acceptance(
+    target,
+    heads: dict,
+    kinds=("open", "complete"),
+    k_values=(1, 2, 3, 4, 5, 6),
+    max_new_tokens: int = 128,
+    per_kind: int = 16,
+) -> dict:
+    """Mean acceptance length of greedy chain drafting at each k, for each head of `heads`
+    ({name: TrainHead}), on the benchmark's own prompts (specfast.workloads, none trained on).
+
+    The target generates each answer once, plainly (EOS ignored, as the benchmark does); one
+    forward reads its features; then every round is replayed per head (chain_drafts,
+    greedy_acceptance). Greedy output does not depend on the drafter, so this is the
+    mean_acceptance_length generate() reports at that k, up to float noise at near-ties.
+    -> {name: {kind: {k: tau}}}."""
+    from specfast import generate, workloads
+    from specfast.eagle_data import target_features
+
+    first = next(iter(heads.values()))
+    aux = first.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    embed = target.embed.weight.detach().float()
+    rounds = {n: {kind: {k: [] for k in k_values} for kind in kinds} for n in heads}
+    for kind in kinds:
+        for w in workloads.build_workloads([kind], per_kind):
+            prompt = target.tokenizer.encode(w.render(target.chat_template)).ids
+            out = generate(target, prompt, max_new_tokens, drafter=None, ignore_eos=True)
+            ids = torch.tensor(prompt + out.token_ids)
+            feats = target_features(target, ids, aux)[0].float()
+            for name, head in heads.items():
+                drafts = chain_drafts(head, feats, ids, embed, max(k_values))
+                for k in k_values:
+                    rounds[name][kind][k] += greedy_acceptance(drafts, ids, len(prompt) + 1, k)
+    return {
+        n: {kind: {k: round(sum(r) / len(r), 3) for k, r in ks.items()} for kind, ks in kd.items()}
+        for n, kd in rounds.items()
+    }
+
+
+def load_train_head(folder: Path) -> TrainHead:
+    """A saved head (config.json + model.safetensors) as a float32 TrainHead."""
+    from safetensors.torch import load_file
+
+    head = TrainHead(json.loads((Path(folder) / "config.json").read_text()))
+    tensors = load_file(str(Path(folder) / "model.safetensors"))
+    head.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items()})
+    return head.float()
+
+
+# ---------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000  # optimizer steps
+    docs_per_step: int = 4
+    ttt_steps: int = 4
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    weight_decay: float = 0.0
+    draft_vocab_size: int = 4096
+    seed: int = 0
+    bf16: bool = True  # autocast matmuls to bf16 (fp32 master weights)
+    eval_every: int = 100
+    eval_docs: int = 32
+    val_every: int = 50  # every val_every-th document is held out for the curve
+    checkpoint_every: int = 50
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("steps", "docs_per_step", "ttt_steps", "draft_vocab_size", "eval_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def split_docs(n: int, val_every: int) -> tuple[list[int], list[int]]:
+    val = list(range(0, n, val_every)) if n >= 2 * val_every else []
+    held = set(val)
+    return [i for i in range(n) if i not in held], val
+
+
+@functools.lru_cache(maxsize=4)
+def doc_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order of n training documents in `epoch`, fixed by the seed."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def evaluate(head, data: Captured, docs: list[int], embed, out_rows, cfg: TrainConfig) -> dict:
+    stats, loss, n = None, 0.0, 0
+    with torch.no_grad(), _autocast(cfg.bf16):
+        for i in docs:
+            doc_loss, s = ttt_loss(head, data.get(i), embed, out_rows, cfg.ttt_steps)
+            stats = merge_stats(stats, s)
+            loss, n = loss + float(doc_loss) * s["positions"], n + s["positions"]
+    if stats is None:
+        return {}
+    return {
+        "val_loss": round(loss / max(n, 1), 4),
+        **{"val_" + k: v for k, v in summary(stats).items()},
+    }
+
+
+def _autocast(enabled: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def train(
+    target,
+    data_dir: Path,
+    out_dir: Path,
+    cfg: TrainConfig,
+    aux_layers,
+    resume: bool = False,
+    log=sys.stderr,
+    save: Callable[[TrainHead, Path], None] | None = None,
+    stop_at: int | None = None,
+    max_minutes: float | None = None,
+) -> TrainHead:
+    """Train a head on the shards in data_dir; checkpoint.pt, curve.json and the head (config.json
+    + model.safetensors) go to out_dir. `resume` continues from out_dir/checkpoint.pt;
+    `stop_at` stops (with a checkpoint) after that many steps of the cfg.steps schedule;
+    `max_minutes` stops this leg when its time is up, saving the checkpoint and the head."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save = save or save_head
+    data = Captured(data_dir)
+    train_docs, val_docs = split_docs(len(data), cfg.val_every)
+    val_docs = val_docs[: cfg.eval_docs]
+    ckpt_path = out_dir / "checkpoint.pt"
+    embed = target.embed.weight.detach().float()
+    if resume:
+        if not ckpt_path.is_file():
+            raise ValueError(f"--resume: no checkpoint at {ckpt_path}")
+        ckpt = torch.load(ckpt_path, weights_only=True)
+        # The schedule's length and the logging may change (a run extended); the recipe not.
+        free = {"steps", "eval_every", "eval_docs", "checkpoint_every"}
+        changed = sorted(
+            k for k, v in asdict(cfg).items() if k not in free and ckpt["cfg"].get(k) != v
+        )
+        if changed:
+            raise ValueError(
+                f"--resume with different settings ({', '.join(changed)}) than {ckpt_path}"
+            )
+        head = TrainHead(ckpt["head_config"])
+        head.load_state_dict(ckpt["head"])
+        start, curve, seen = ckpt["step"], ckpt["curve"], ckpt["tokens"]
+        before = ckpt.get("seconds", 0.0)
+    else:
+        counts = data.token_counts(target.vocab_size, train_docs)
+        d2t, t2d = draft_vocabulary(counts, cfg.draft_vocab_size)
+        config = head_config(target, cfg.draft_vocab_size, aux_layers)
+        head = init_head(target, config, d2t, t2d, cfg.seed)
+        coverage = float(counts[t2d].sum()) / max(int(counts.sum()), 1)
+        start, curve, seen = 0, [{"step": 0, "tokens": 0, "draft_coverage": round(coverage, 4)}], 0
+        before = 0.0
+    out_rows = target.output_weight.detach()[head.draft_ids].float()
+    opt = torch.optim.AdamW(
+        head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+    )
+    if resume:
+        opt.load_state_dict(ckpt["opt"])
+    if start == 0 and val_docs:
+        curve[0] |= evaluate(head, data, val_docs, embed, out_rows, cfg)
+
+    def checkpoint(step: int):
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save(
+            {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "tokens": seen,
+             "curve": curve, "cfg": asdict(cfg), "head_config": head.config,
+             "seconds": before + time.perf_counter() - t0},
+            tmp,
+        )  # fmt: skip
+        tmp.replace(ckpt_path)
+        (out_dir / "curve.json").write_text(json.dumps(curve, indent=1))
+
+    bar = _progress(cfg.steps, start, log)
+    window, t0 = None, time.perf_counter()
+    n_train = len(train_docs)
+    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    for step in range(start, end):
+        for gr in opt.param_groups:
+            gr["lr"] = lr_at(cfg, step)
+        opt.zero_grad(set_to_none=True)
+        docs, stats, loss_sum = [], None, 0.0
+        for j in range(cfg.docs_per_step):
+            k = step * cfg.docs_per_step + j
+            docs.append(train_docs[doc_order(n_train, cfg.seed, k // n_train)[k % n_train]])
+        n_pos = sum(data.docs[i][2] - data.docs[i][1] - 1 for i in docs)
+        for i in docs:
+            with _autocast(cfg.bf16):
+                loss, s = ttt_loss(head, data.get(i), embed, out_rows, cfg.ttt_steps)
+            (loss * s["positions"] / n_pos).backward()
+            stats = merge_stats(stats, s)
+            loss_sum += float(loss.detach()) * s["positions"]
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        seen += n_pos
+        window = merge_stats(window, {**stats, "loss": loss_sum})
+        summ = summary(window)
+        bar.update(
+            step + 1,
+            loss=window["loss"] / window["positions"],
+            acc0=summ["acc"][0],
+            tau=summ["tau"],
+        )
+        out_of_time = max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes
+        last = step + 1 == end or out_of_time
+        if (step + 1) % cfg.eval_every == 0 or last:
+            point = {
+                "step": step + 1,
+                "tokens": seen,
+                "seconds": round(before + time.perf_counter() - t0, 1),
+                "train_loss": round(window["loss"] / window["positions"], 4),
+                **{"train_" + k: v for k, v in summ.items()},
+                **evaluate(head, data, val_docs, embed, out_rows, cfg),
+            }
+            curve.append(point)
+            window = None
+            bar.write(json.dumps(point))
+            save(head, out_dir / "snapshots" / f"step_{step + 1:06d}")
+        if (step + 1) % cfg.checkpoint_every == 0 or last:
+            checkpoint(step + 1)
+        if out_of_time:
+            bar.write(f"time is up ({max_minutes} min) after step {step + 1} of {cfg.steps}")
+            save(head, out_dir)
+            break
+    bar.close()
+    if end == cfg.steps:
+        save(head, out_dir)
+    return head
+
+
+class _progress:
+    """tqdm when installed, else one line per 10 steps."""
+
+    def __init__(self, total: int, initial: int, log):
+        self.log, self.total = log, total
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, file=log, dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+        self.n = initial
+
+    def update(self, n: int, **post):
+        text = {k: round(v, 4) for k, v in post.items()}
+        if self.bar is not None:
+            self.bar.set_postfix(text, refresh=False)
+            self.bar.update(n - self.n)
+        elif n % 10 == 0 or n == self.total:
+            print(f"step {n}/{self.total} {text}", file=self.log, flush=True)
+        self.n = n
+
+    def write(self, s: str):
+        if self.bar is not None:
+            self.bar.write(s, file=self.log)
+        else:
+            print(s, file=self.log, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------- saving
+
+
+def to_eagle_head(head: TrainHead):
+    """The trained weights as specfast.eagle's EagleHead (the drafter's class), checked by its
+    loader's rules (shapes, d2t in range, t2d marking the same ids)."""
+    from specfast.eagle import EagleConfig, head_from_tensors
+
+    tensors = {k: v.detach() for k, v in head.state_dict().items()}
+    return head_from_tensors(EagleConfig.from_dict(dict(head.config)), tensors)
+
+
+def save_head(head: TrainHead, folder: Path) -> None:
+    """config.json + model.safetensors through specfast.eagle.save_eagle: SpecForge's names,
+    matrices and norms in bf16, d2t int64, t2d bool, no embedding (shared with the target)."""
+    from specfast.eagle import save_eagle
+
+    save_eagle(to_eagle_head(head), folder, dtype="bfloat16")
+
+
+# ---------------------------------------------------------------------------- the whole job
+
+
+def _capped(docs, max_tokens: int):
+    total = 0
+    for name, ids in docs:
+        if total >= max_tokens:
+            return
+        total += len(ids)
+        yield name, ids
+
+
+def make_data(
+    target,
+    data_dir: Path,
+    aux_layers,
+    max_len: int = 512,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    max_prompts: int | None = None,
+    prompt_scale: float = 1.0,
+    corpus_tokens: int = 200_000,
+    seed: int = 0,
+    log=sys.stderr,
+) -> dict:
+    """Answers (data_dir/answers.jsonl, resumable) then one capture pass (data_dir/captured,
+    redone from scratch unless complete). Returns the data record (captured/done.json)."""
+    from specfast import eagle_data as ed
+
+    captured = data_dir / "captured"
+    done = captured / "done.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    data_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    prompts = ed.training_prompts(target.chat_template, seed=seed, scale=prompt_scale)
+    prompts = prompts[:max_prompts]
+    records = ed.answer_prompts(
+        target, prompts, data_dir / "answers.jsonl", max_new_tokens, batch_size, "batched", log
+    )
+    t_answers = time.perf_counter() - t0
+    for f in captured.glob("shard_*"):
+        f.unlink()  # a capture that did not finish: start it again
+    answers = list(ed.answer_documents(records, max_len))
+    corpus = list(_capped(ed.corpus_documents(target.tokenizer, max_len, seed), corpus_tokens))
+    t1 = time.perf_counter()
+    positions = ed.capture(target, ed.interleave(answers, corpus), captured, aux_layers, log=log)
+    record = {
+        "prompts": len(records),
+        "answer_tokens": sum(len(r["answer_ids"]) for r in records),
+        "answer_doc_tokens": sum(len(ids) for _, ids in answers),
+        "corpus_docs": len(corpus),
+        "corpus_tokens": sum(len(ids) for _, ids in corpus),
+        "positions": positions,
+        "prompt_kinds": {
+            k: sum(r["kind"] == k for r in records) for k in sorted({r["kind"] for r in records})
+        },
+        "answer_seconds": round(t_answers, 1),
+        "capture_seconds": round(time.perf_counter() - t1, 1),
+        "target_dtype": str(target.dtype).removeprefix("torch."),
+        "max_len": max_len,
+        "max_new_tokens": max_new_tokens,
+        "aux_layers": list(aux_layers),
+    }
+    done.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def train_eagle(
+    target_path,
+    out_dir: Path,
+    cfg: TrainConfig,
+    data_dir: Path | None = None,
+    dtype: str = "auto",
+    resume: bool = False,
+    log=sys.stderr,
+    command: str | None = None,
+    max_minutes: float | None = None,
+    **data_options,
+) -> TrainHead:
+    """`specfast train-eagle`: the target answers the training prompts, one forward per
+    document captures its features and distributions, then the head trains; the head lands
+    in out_dir (SpecForge layout) with curve.json and the data record."""
+    from specfast import load_model
+    from specfast.eagle_data import default_aux_layers
+
+    target = load_model(target_path, dtype=dtype, compile="off")
+    aux = default_aux_layers(target.config.n_layers)
+    data_dir = data_dir or out_dir / "data"
+    record = make_data(target, data_dir, aux, seed=cfg.seed, log=log, **data_options)
+    print(f"data: {json.dumps(record)}", file=log, flush=True)
+    t0 = time.perf_counter()
+    head = train(
+        target, data_dir / "captured", out_dir, cfg, aux, resume=resume, log=log,
+        max_minutes=max_minutes,
+    )  # fmt: skip
+    command = " ".join(["specfast", *sys.argv[1:]]) if command is None else command
+    write_record(out_dir, record, cfg, time.perf_counter() - t0, command)
+    return head
+
+
+def write_record(out_dir: Path, record: dict, cfg: TrainConfig, seconds: float, command: str):
+    """training.json (everything) and TRAINING.md (the table a reader wants) next to the head."""
+    curve = (
+        json.loads((out_dir / "curve.json").read_text())
+        if (out_dir / "curve.json").is_file()
+        else []
+    )
+    last = curve[-1] if curve else {}
+    seconds = last.get("seconds", seconds)  # counts every resumed leg
+    info = {
+        "command": command,
+        "data": record,
+        "train": asdict(cfg),
+        "train_seconds": round(seconds, 1),
+        "trained_positions": last.get("tokens", 0),
+        "curve": curve,
+    }
+    (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    lines = [
+        "# How this head was trained",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"- data: {record.get('prompts', 0)} prompts answered by the target "
+        f"({record.get('answer_tokens', 0)} answer tokens), {record.get('corpus_tokens', 0)} "
+        f"corpus tokens teacher-forced; {record.get('positions', 0)} captured positions "
+        f"(target dtype {record.get('target_dtype')}, aux layers {record.get('aux_layers')})",
+        f"- training: {cfg.steps} steps x {cfg.docs_per_step} documents, TTT steps "
+        f"{cfg.ttt_steps}, lr {cfg.lr}, draft vocabulary {cfg.draft_vocab_size}, seed {cfg.seed}; "
+        f"{last.get('tokens', 0)} positions trained in {seconds / 60:.1f} min",
+        "",
+        "tau is 1 + the mean run of steps whose top-1 agrees with the target's (an estimate of",
+        "the mean acceptance length at k = TTT steps, greedy), on held-out captured documents.",
+        "",
+        "| step | positions trained | val loss | val top-1 agreement per step | val tau |",
+        "|---:|---:|---:|---|---:|",
+    ]
+    for p in curve:
+        acc = ", ".join(f"{a:.3f}" for a in p.get("val_acc", []))
+        lines.append(
+            f"| {p['step']} | {p['tokens']} | {p.get('val_loss', '')} | {acc} | "
+            f"{p.get('val_tau', '')} |"
+        )
+    (out_dir / "TRAINING.md").write_text("\n".join(lines) + "\n")
