@@ -231,17 +231,20 @@ def stop_when_unsure(self, confidences):
     return confidences[-1] >= UNSURE and len(confidences) < 3
 
 
-def sample_joint_stopping_early(model, draft):
+def sample_joint_stopping_early(model, draft, monkeypatch):
+    """Auto k whose rounds end on the draft's probabilities (stop_when_unsure), and that always
+    drafts: the pass costs earlier calls measured may say a draft this size does not pay."""
+    from specfast.autok import AutoK
+
+    monkeypatch.setattr(AutoK, "keep_drafting", stop_when_unsure)
+    monkeypatch.setattr(AutoK, "choose_draft", lambda self: self.max_draft_k)
     return sample_joint(model, N, lambda: draft, max_new_tokens=5, top_k=TOP_K)
 
 
 def test_rounds_that_stop_on_the_drafts_probabilities_are_exact(
     model, draft_model, exact_joint_top_k, monkeypatch
 ):
-    from specfast.autok import AutoK
-
-    monkeypatch.setattr(AutoK, "keep_drafting", stop_when_unsure)
-    counts = sample_joint_stopping_early(model, draft_model)
+    counts = sample_joint_stopping_early(model, draft_model, monkeypatch)
     assert chi2_pvalue(counts, exact_joint_top_k) > ALPHA
 
 
@@ -249,7 +252,6 @@ def test_negative_control_dropping_an_unsure_draft_is_caught(
     model, draft_model, exact_joint_top_k, monkeypatch
 ):
     import specfast.draft
-    from specfast.autok import AutoK
 
     real_propose = specfast.draft.DraftModelDrafter.propose
 
@@ -265,9 +267,8 @@ def test_negative_control_dropping_an_unsure_draft_is_caught(
                 self.draft_probs = self.draft_probs[:-1]
         return tokens
 
-    monkeypatch.setattr(AutoK, "keep_drafting", stop_when_unsure)
     monkeypatch.setattr(specfast.draft.DraftModelDrafter, "propose", drop_unsure)
-    counts = sample_joint_stopping_early(model, draft_model)
+    counts = sample_joint_stopping_early(model, draft_model, monkeypatch)
     assert chi2_pvalue(counts, exact_joint_top_k) < ALPHA
 
 

@@ -384,6 +384,7 @@ def hf_twin(model):
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
     )
     hf = transformers.LlamaForCausalLM(config).to(model.dtype).eval()
+    model.unpack()  # the plain weights back (packing leaves placeholders on CPU)
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
     sd = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm}
     if not c.tie_embeddings:
