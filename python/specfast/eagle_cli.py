@@ -9,20 +9,11 @@ import argparse
 import sys
 from pathlib import Path
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
 
 def add_train_eagle(sub) -> None:
+    # cli.py's own argument types; imported here, since cli.py imports this module
+    from specfast.cli import DTYPE_CHOICES, _positive_int
+
     t = sub.add_parser(
         "train-eagle",
         help="train an EAGLE-3 head for a model on text the model writes itself",

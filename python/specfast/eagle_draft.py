@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from specfast import eagle
 from specfast.autok import AutoK
-from specfast.drafters import Proposal, Verified, _Base
+from specfast.drafters import Proposal, Verified, _Base, _observe_model
 from specfast.eagle import EagleHead, check_config_for_target, check_target, load_eagle
 from specfast.kv_cache import KVCache
 from specfast.model import Model
@@ -142,10 +142,7 @@ class EagleDraft(_Base):
             raise ValueError("the round gave the EAGLE drafter no features")
         self._add_features(len(self.committed) - 1, verified.features)
         if self.auto is not None:
-            n = len(proposal.tokens)
-            self.auto.observe(n, n_accepted, verify_seconds, proposal.seconds, proposal.evidence)
-            if n and proposal.confidences:
-                self.auto.observe_confidences(proposal.confidences, n_accepted)
+            _observe_model(self.auto, proposal, n_accepted, verify_seconds)
 
     def rollback(self, kept) -> None:
         """The committed sequence is now `kept`: features of positions past len(kept) - 2 are
