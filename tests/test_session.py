@@ -134,6 +134,7 @@ def eagle_head(target):
 # right, so a draft cache that a fork shares with its parent shows in the acceptance counts.
 DRAFTERS = {
     "draft-model": lambda target: tiny(0),
+    "draft-vocabulary": lambda target: tiny(0),  # with draft_vocabulary=40: a DraftVocabulary
     "combined": lambda target: specfast.CombinedDrafter(tiny(0)),
     "eagle": eagle_head,
     "eagle+ngram": lambda target: specfast.CombinedDrafter(eagle_head(target)),
@@ -147,6 +148,8 @@ def forked_conversation(kind: str, k="3"):
     target = tiny(0)
     k = int(k) if k.isdigit() else k
     opts = dict(num_speculative_tokens=k, max_new_tokens=12, ignore_eos=True)
+    if kind == "draft-vocabulary":
+        opts["draft_vocabulary"] = 40
     msgs = messages(6, seed=11)
 
     def new():
@@ -202,8 +205,11 @@ def shared_state(a, b) -> list[str]:
 
     from specfast.eagle import EagleHead
     from specfast.eagle_draft import FastLinears
+    from specfast.model import OutputRows
 
-    skip = (Model, EagleHead, FastLinears, torch.nn.Module, torch.Tensor, torch.device, tuple)
+    # Weights (OutputRows: a model's projection rows, cached per model) and immutables.
+    skip = (Model, OutputRows, EagleHead, FastLinears, torch.nn.Module, torch.Tensor, torch.device,
+            tuple)  # fmt: skip
     seen_a: dict[int, str] = {}
 
     def walk(obj, path, out, depth=0):
@@ -281,6 +287,53 @@ def test_negative_control_a_fork_sharing_auto_k_is_caught(monkeypatch):
     monkeypatch.setattr(session_module, "_copy_auto", lambda auto: auto)
     parent, child, _, _ = forked_conversation("draft-model", k="auto")
     assert any("auto" in p for p in shared_state(parent._drafter, child._drafter))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", None])
+def test_an_ngram_or_plain_fork_shares_no_drafter_state(drafter):
+    s = Session(tiny(), drafter=drafter, max_new_tokens=8, ignore_eos=True)
+    s.send(messages()[0])
+    f = s.fork()
+    assert shared_state(s._drafter, f._drafter) == []
+    if drafter == "ngram":
+        assert f._drafter.inner is not s._drafter.inner and len(f._drafter.inner) == len(
+            s.token_ids
+        )
+
+
+def test_a_fork_of_a_corpus_session_drafts_from_the_corpus_but_never_writes_it(tmp_path):
+    model = tiny()
+    path = tmp_path / "chat.corpus"
+    msgs = messages(4, seed=12)
+    s = Session(model, corpus=path, max_new_tokens=12, ignore_eos=True)
+    s.send(msgs[0])
+    s.send(msgs[1])
+    saved = path.read_bytes()
+    f = s.fork()
+    assert f._drafter.inner.corpus_tokens == s._drafter.inner.corpus_tokens > 0
+    out = f.send(msgs[2])
+    assert out.token_ids == plain(model, context_of(f, out), 12, ignore_eos=True)
+    assert path.read_bytes() == saved  # the fork wrote nothing
+    assert f._drafter.inner.corpus_tokens == s._drafter.inner.corpus_tokens  # nor added a turn
+    s.send(msgs[3])
+    assert path.read_bytes() != saved  # the parent still writes
+
+
+def test_a_transformers_draft_model_session_forks():
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model
+
+    target, draft = make_hf_model("qwen2-bias"), make_hf_model("qwen2-bias")
+    s = Session(target, drafter=draft, num_speculative_tokens=3, max_new_tokens=10, ignore_eos=True)
+    msgs = [[5, 9, 17, 5, 9, 17], [5, 9, 30, 31], [17, 5, 9]]
+    s.send(msgs[0])
+    f = s.fork()
+    assert f._drafter.inner.decoder.cache is not s._drafter.inner.decoder.cache
+    for a, b in ((s, f), (f, s)):
+        for session, msg in ((a, msgs[1]), (b, msgs[2])):
+            out = session.send(msg)
+            assert out.token_ids == plain(target, context_of(session, out), 10, ignore_eos=True)
+            assert out.stats.accepted_tokens > 0  # the draft has the target's weights
 
 
 def test_fork_refuses_a_drafter_it_cannot_copy():
