@@ -405,15 +405,24 @@ class Boom(Exception):
     pass
 
 
-def interrupted_then_resent(exc: type[BaseException], restore: bool, monkeypatch):
+def interrupted_then_resent(
+    exc: type[BaseException], restore: bool, monkeypatch, draft_model: bool = False
+):
     """Runs 2 turns, interrupts the 3rd from its streamer, then sends the 3rd again. Returns
-    (was the turn wholly absent?, did the re-sent turn equal a clean session's?)."""
+    (was the turn wholly absent?, did the re-sent turn equal a clean session's?). With
+    `draft_model`, both sessions draft with a draft model (the target's weights, k = 3), and the
+    re-sent turn must also draft and accept exactly as the clean session's."""
     if not restore:  # the bug: an interrupted turn leaves its tokens in cache and drafter
         monkeypatch.setattr(Session, "_restore", lambda self, *a: None)
     model = tiny()
     msgs = messages(3, seed=8)
-    s = Session(model, max_new_tokens=16, ignore_eos=True)
-    clean = Session(model, max_new_tokens=16, ignore_eos=True)
+    opts: dict = dict(max_new_tokens=16, ignore_eos=True)
+    if draft_model:
+        opts.update(drafter=tiny(0), num_speculative_tokens=3)
+    s = Session(model, **opts)
+    if draft_model:
+        opts["drafter"] = tiny(0)
+    clean = Session(model, **opts)
     for msg in msgs[:2]:
         s.send(msg)
         clean.send(msg)
@@ -440,16 +449,23 @@ def interrupted_then_resent(exc: type[BaseException], restore: bool, monkeypatch
     )
     again, want = s.send(msgs[2]), clean.send(msgs[2])
     same = again.token_ids == want.token_ids
+    if draft_model:
+        same = same and (again.stats.draft_tokens, again.stats.accepted_tokens) == (
+            want.stats.draft_tokens,
+            want.stats.accepted_tokens,
+        )
     return absent, same and again.stats.reused_tokens == want.stats.reused_tokens
 
 
 @pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
-def test_an_interrupted_turn_is_wholly_absent(exc, monkeypatch):
-    assert interrupted_then_resent(exc, True, monkeypatch) == (True, True)
+@pytest.mark.parametrize("draft_model", [False, True])
+def test_an_interrupted_turn_is_wholly_absent(exc, draft_model, monkeypatch):
+    assert interrupted_then_resent(exc, True, monkeypatch, draft_model) == (True, True)
 
 
-def test_negative_control_an_interrupt_without_restore_is_caught(monkeypatch):
-    assert interrupted_then_resent(Boom, False, monkeypatch)[0] is False
+@pytest.mark.parametrize("draft_model", [False, True])
+def test_negative_control_an_interrupt_without_restore_is_caught(draft_model, monkeypatch):
+    assert interrupted_then_resent(Boom, False, monkeypatch, draft_model)[0] is False
 
 
 # ----------------------------------------------------------------------------
@@ -589,6 +605,23 @@ def test_a_corpus_of_another_vocabulary_is_refused(tmp_path):
         Session(other, corpus=path)
     with pytest.raises(ValueError, match="corpus"):
         Session(tiny(), drafter=None, corpus=path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "byte flipped", "empty", "foreign"])
+def test_a_damaged_corpus_file_is_a_value_error_and_is_left_as_it_was(tmp_path, damage):
+    path = tmp_path / "chat.corpus"
+    Session(tiny(), corpus=path, max_new_tokens=4).send([1, 2, 3])
+    data = path.read_bytes()
+    damaged = {
+        "truncated": data[: len(data) // 2],
+        "byte flipped": data[:20] + bytes([data[20] ^ 0xFF]) + data[21:],
+        "empty": b"",
+        "foreign": b"GGUF" + data[4:],
+    }[damage]
+    path.write_bytes(damaged)
+    with pytest.raises(ValueError, match=r"chat\.corpus"):
+        Session(tiny(), corpus=path)
+    assert path.read_bytes() == damaged  # nothing overwrote what the user had
 
 
 def test_generate_cli_corpus_grows_and_drafts(tiny_model_dir, tmp_path, capsys):  # noqa: F811
