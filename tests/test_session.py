@@ -120,6 +120,236 @@ def test_fork_continues_independently():
 
 
 # ----------------------------------------------------------------------------
+# fork with a draft model or an EAGLE head: the fork's drafter is a copy sharing nothing
+
+
+def eagle_head(target):
+    from specfast.eagle import EagleConfig, random_head
+
+    config = EagleConfig.for_target(target, draft_vocab_size=60, aux_layers=(0, 1, 1))
+    return random_head(config, seed=3)  # the tiny target has 2 layers
+
+
+# A draft with the target's weights (another object) accepts nearly everything when its cache is
+# right, so a draft cache that a fork shares with its parent shows in the acceptance counts.
+DRAFTERS = {
+    "draft-model": lambda target: tiny(0),
+    "draft-vocabulary": lambda target: tiny(0),  # with draft_vocabulary=40: a DraftVocabulary
+    "combined": lambda target: specfast.CombinedDrafter(tiny(0)),
+    "eagle": eagle_head,
+    "eagle+ngram": lambda target: specfast.CombinedDrafter(eagle_head(target)),
+}
+
+
+def forked_conversation(kind: str, k="3"):
+    """Parent and fork continue with different messages, interleaved. Returns, per session, its
+    turns' (token ids, drafted, accepted) and the same for a replay: a fresh session sent that
+    session's messages (no fork). Every turn is checked against generate() on its history."""
+    target = tiny(0)
+    k = int(k) if k.isdigit() else k
+    opts = dict(num_speculative_tokens=k, max_new_tokens=12, ignore_eos=True)
+    if kind == "draft-vocabulary":
+        opts["draft_vocabulary"] = 40
+    msgs = messages(6, seed=11)
+
+    def new():
+        return Session(target, drafter=DRAFTERS[kind](target), **opts)
+
+    def turn(session, msg):
+        out = session.send(msg)
+        assert out.token_ids == plain(target, context_of(session, out), 12, ignore_eos=True)
+        return out.token_ids, out.stats.draft_tokens, out.stats.accepted_tokens
+
+    parent = new()
+    for msg in msgs[:2]:
+        parent.send(msg)
+    child = parent.fork()
+    sent = {"parent": msgs[:2], "child": msgs[:2]}
+    got: dict[str, list] = {"parent": [], "child": []}
+    for a, b in ((2, 3), (4, 5), (3, 2)):
+        got["parent"].append(turn(parent, msgs[a]))
+        got["child"].append(turn(child, msgs[b]))
+        sent["parent"] = sent["parent"] + [msgs[a]]
+        sent["child"] = sent["child"] + [msgs[b]]
+    replay = {}
+    for name, session in (("parent", parent), ("child", child)):
+        r = new()
+        replay[name] = [turn(r, m) for m in sent[name]][2:]
+        # With a fixed k the draft's cache holds, bit for bit, what a never-forked session's
+        # holds (auto k drafts by measured times, so two runs draft differently).
+        if k != "auto":
+            assert same_draft_cache(session, r), f"{name}: the draft cache differs from a replay"
+    return parent, child, got, replay
+
+
+def same_draft_cache(a: Session, b: Session) -> bool:
+    import torch
+
+    def cache(s):
+        d = s._drafter
+        return d.cache if hasattr(d, "cache") else d.inner.decoder.cache
+
+    ca, cb = cache(a), cache(b)
+    n = ca.length
+    return (
+        n == cb.length
+        and torch.equal(ca.k[:, :, :n], cb.k[:, :, :n])
+        and torch.equal(ca.v[:, :, :n], cb.v[:, :, :n])
+    )
+
+
+def shared_state(a, b) -> list[str]:
+    """Paths of mutable objects that drafter `a` and drafter `b` both hold (weights and the
+    target's pass costs, shared on purpose, are not walked)."""
+    import torch
+
+    from specfast.eagle import EagleHead
+    from specfast.eagle_draft import FastLinears
+    from specfast.model import OutputRows
+
+    # Weights (OutputRows: a model's projection rows, cached per model) and immutables.
+    skip = (Model, OutputRows, EagleHead, FastLinears, torch.nn.Module, torch.Tensor, torch.device,
+            tuple)  # fmt: skip
+    seen_a: dict[int, str] = {}
+
+    def walk(obj, path, out, depth=0):
+        if depth > 6 or isinstance(obj, (int, float, str, bool, type(None), *skip)):
+            return
+        out[id(obj)] = path
+        if isinstance(obj, dict):
+            items = list(obj.items())
+        elif isinstance(obj, list):
+            items = list(enumerate(obj))
+        elif hasattr(obj, "__dict__"):
+            items = [(k, v) for k, v in vars(obj).items() if k != "_sums"]
+        else:
+            return
+        for key, value in items:
+            walk(value, f"{path}.{key}", out, depth + 1)
+
+    walk(a, "drafter", seen_a)
+    seen_b: dict[int, str] = {}
+    walk(b, "drafter", seen_b)
+    return sorted(seen_a[i] for i in set(seen_a) & set(seen_b))
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_a_fork_with_a_model_drafter_continues_like_an_unforked_session(kind):
+    parent, child, got, replay = forked_conversation(kind)
+    # Same drafts and acceptances as sessions that were never forked: neither one's drafter
+    # saw the other's turns.
+    assert got == replay
+    assert shared_state(parent._drafter, child._drafter) == []
+    if kind != "eagle":  # a random head drafts little that is accepted
+        assert sum(t[2] for t in got["child"]) > 0
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "eagle+ngram"])
+def test_a_forked_auto_k_drafter_owns_its_auto_k_and_equals_generate(kind):
+    parent, child, _, _ = forked_conversation(kind, k="auto")
+    assert child._drafter.auto is not parent._drafter.auto
+    assert child._drafter.auto._sums is parent._drafter.auto._sums  # the target's pass costs
+    if kind == "draft-model":  # the draft stops itself on the fork's own calibration
+        assert child._drafter.inner.keep_going.__self__ is child._drafter.auto
+    assert shared_state(parent._drafter, child._drafter) == []
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "eagle"])
+def test_negative_control_a_fork_sharing_the_draft_cache_is_caught(kind, monkeypatch):
+    import specfast.session as session_module
+
+    # The bug: the fork's draft model (or EAGLE head) writes the parent's cache.
+    if kind == "draft-model":
+        real = session_module._fork_draft_model
+
+        def sharing(old, auto):
+            new = real(old, auto)
+            new.decoder = old.decoder
+            return new
+
+        monkeypatch.setattr(session_module, "_fork_draft_model", sharing)
+    else:
+        real_eagle = session_module._fork_eagle
+
+        def sharing_eagle(new, old):
+            real_eagle(new, old)
+            new.cache = old.cache
+
+        monkeypatch.setattr(session_module, "_fork_eagle", sharing_eagle)
+    # The draft cache then differs from a replay's (or a rollback finds it too short).
+    with pytest.raises((AssertionError, ValueError)):
+        forked_conversation(kind)
+
+
+def test_negative_control_a_fork_sharing_auto_k_is_caught(monkeypatch):
+    import specfast.session as session_module
+
+    monkeypatch.setattr(session_module, "_copy_auto", lambda auto: auto)
+    parent, child, _, _ = forked_conversation("draft-model", k="auto")
+    assert any("auto" in p for p in shared_state(parent._drafter, child._drafter))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", None])
+def test_an_ngram_or_plain_fork_shares_no_drafter_state(drafter):
+    s = Session(tiny(), drafter=drafter, max_new_tokens=8, ignore_eos=True)
+    s.send(messages()[0])
+    f = s.fork()
+    assert shared_state(s._drafter, f._drafter) == []
+    if drafter == "ngram":
+        assert f._drafter.inner is not s._drafter.inner and len(f._drafter.inner) == len(
+            s.token_ids
+        )
+
+
+def test_a_fork_of_a_corpus_session_drafts_from_the_corpus_but_never_writes_it(tmp_path):
+    model = tiny()
+    path = tmp_path / "chat.corpus"
+    msgs = messages(4, seed=12)
+    s = Session(model, corpus=path, max_new_tokens=12, ignore_eos=True)
+    s.send(msgs[0])
+    s.send(msgs[1])
+    saved = path.read_bytes()
+    f = s.fork()
+    assert f._drafter.inner.corpus_tokens == s._drafter.inner.corpus_tokens > 0
+    out = f.send(msgs[2])
+    assert out.token_ids == plain(model, context_of(f, out), 12, ignore_eos=True)
+    assert path.read_bytes() == saved  # the fork wrote nothing
+    assert f._drafter.inner.corpus_tokens == s._drafter.inner.corpus_tokens  # nor added a turn
+    s.send(msgs[3])
+    assert path.read_bytes() != saved  # the parent still writes
+
+
+def test_a_transformers_draft_model_session_forks():
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model
+
+    target, draft = make_hf_model("qwen2-bias"), make_hf_model("qwen2-bias")
+    s = Session(target, drafter=draft, num_speculative_tokens=3, max_new_tokens=10, ignore_eos=True)
+    msgs = [[5, 9, 17, 5, 9, 17], [5, 9, 30, 31], [17, 5, 9]]
+    s.send(msgs[0])
+    f = s.fork()
+    assert f._drafter.inner.decoder.cache is not s._drafter.inner.decoder.cache
+    for a, b in ((s, f), (f, s)):
+        for session, msg in ((a, msgs[1]), (b, msgs[2])):
+            out = session.send(msg)
+            assert out.token_ids == plain(target, context_of(session, out), 10, ignore_eos=True)
+            assert out.stats.accepted_tokens > 0  # the draft has the target's weights
+
+
+def test_fork_refuses_a_drafter_it_cannot_copy():
+    class Oracle:  # any object with extend/propose is a drafter, but fork cannot copy it
+        def extend(self, tokens):
+            pass
+
+        def propose(self, k):
+            return []
+
+    s = Session(tiny(), drafter=Oracle(), max_new_tokens=4)
+    with pytest.raises(TypeError, match="fork\\(\\) supports the n-gram drafter, a draft model"):
+        s.fork()
+
+
+# ----------------------------------------------------------------------------
 # prefill covers only the new tokens
 
 
@@ -175,15 +405,24 @@ class Boom(Exception):
     pass
 
 
-def interrupted_then_resent(exc: type[BaseException], restore: bool, monkeypatch):
+def interrupted_then_resent(
+    exc: type[BaseException], restore: bool, monkeypatch, draft_model: bool = False
+):
     """Runs 2 turns, interrupts the 3rd from its streamer, then sends the 3rd again. Returns
-    (was the turn wholly absent?, did the re-sent turn equal a clean session's?)."""
+    (was the turn wholly absent?, did the re-sent turn equal a clean session's?). With
+    `draft_model`, both sessions draft with a draft model (the target's weights, k = 3), and the
+    re-sent turn must also draft and accept exactly as the clean session's."""
     if not restore:  # the bug: an interrupted turn leaves its tokens in cache and drafter
         monkeypatch.setattr(Session, "_restore", lambda self, *a: None)
     model = tiny()
     msgs = messages(3, seed=8)
-    s = Session(model, max_new_tokens=16, ignore_eos=True)
-    clean = Session(model, max_new_tokens=16, ignore_eos=True)
+    opts: dict = dict(max_new_tokens=16, ignore_eos=True)
+    if draft_model:
+        opts.update(drafter=tiny(0), num_speculative_tokens=3)
+    s = Session(model, **opts)
+    if draft_model:
+        opts["drafter"] = tiny(0)
+    clean = Session(model, **opts)
     for msg in msgs[:2]:
         s.send(msg)
         clean.send(msg)
@@ -210,16 +449,23 @@ def interrupted_then_resent(exc: type[BaseException], restore: bool, monkeypatch
     )
     again, want = s.send(msgs[2]), clean.send(msgs[2])
     same = again.token_ids == want.token_ids
+    if draft_model:
+        same = same and (again.stats.draft_tokens, again.stats.accepted_tokens) == (
+            want.stats.draft_tokens,
+            want.stats.accepted_tokens,
+        )
     return absent, same and again.stats.reused_tokens == want.stats.reused_tokens
 
 
 @pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
-def test_an_interrupted_turn_is_wholly_absent(exc, monkeypatch):
-    assert interrupted_then_resent(exc, True, monkeypatch) == (True, True)
+@pytest.mark.parametrize("draft_model", [False, True])
+def test_an_interrupted_turn_is_wholly_absent(exc, draft_model, monkeypatch):
+    assert interrupted_then_resent(exc, True, monkeypatch, draft_model) == (True, True)
 
 
-def test_negative_control_an_interrupt_without_restore_is_caught(monkeypatch):
-    assert interrupted_then_resent(Boom, False, monkeypatch)[0] is False
+@pytest.mark.parametrize("draft_model", [False, True])
+def test_negative_control_an_interrupt_without_restore_is_caught(draft_model, monkeypatch):
+    assert interrupted_then_resent(Boom, False, monkeypatch, draft_model)[0] is False
 
 
 # ----------------------------------------------------------------------------
@@ -359,6 +605,23 @@ def test_a_corpus_of_another_vocabulary_is_refused(tmp_path):
         Session(other, corpus=path)
     with pytest.raises(ValueError, match="corpus"):
         Session(tiny(), drafter=None, corpus=path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "byte flipped", "empty", "foreign"])
+def test_a_damaged_corpus_file_is_a_value_error_and_is_left_as_it_was(tmp_path, damage):
+    path = tmp_path / "chat.corpus"
+    Session(tiny(), corpus=path, max_new_tokens=4).send([1, 2, 3])
+    data = path.read_bytes()
+    damaged = {
+        "truncated": data[: len(data) // 2],
+        "byte flipped": data[:20] + bytes([data[20] ^ 0xFF]) + data[21:],
+        "empty": b"",
+        "foreign": b"GGUF" + data[4:],
+    }[damage]
+    path.write_bytes(damaged)
+    with pytest.raises(ValueError, match=r"chat\.corpus"):
+        Session(tiny(), corpus=path)
+    assert path.read_bytes() == damaged  # nothing overwrote what the user had
 
 
 def test_generate_cli_corpus_grows_and_drafts(tiny_model_dir, tmp_path, capsys):  # noqa: F811

@@ -33,9 +33,11 @@ writes a temporary file and renames it, so a crash never damages the previous on
 stay in the corpus; an interrupted turn never enters it.
 
 `fork()` copies the cache tensors up to the current length (O(length x layers) memory and time)
-and rebuilds the n-gram index from the tokens (O(length)); it supports the n-gram drafter and
-plain decoding. A fork drafts from the corpus file but does not write it: two writers would
-overwrite each other's turns.
+and the drafter's state: the n-gram index is rebuilt from the tokens (O(length)), a draft
+model's or EAGLE head's KV cache is copied as the target's is. It supports the n-gram drafter,
+a draft model, a CombinedDrafter, an EAGLE head and plain decoding; parent and fork share no
+mutable state. A fork drafts from the corpus the parent holds but does not write the file: two
+writers would overwrite each other's turns.
 """
 
 from __future__ import annotations
@@ -278,29 +280,25 @@ class Session:
         self.rewind(len(self._turns))
 
     def fork(self) -> Session:
-        """An independent copy of this conversation: the cache tensors are copied up to the
-        current length, the n-gram index is rebuilt from the tokens (n-gram or no drafter)."""
-        from specfast._core import NgramDrafter
-        from specfast.drafters import IndexDraft, NoDraft
+        """An independent copy of this conversation that shares no mutable state with it.
 
-        if not isinstance(self._drafter, (IndexDraft, NoDraft)) or (
-            isinstance(self._drafter, IndexDraft) and not _is_ngram(self._drafter.inner)
-        ):
-            raise TypeError("fork() supports the n-gram drafter and drafter=None only")
+        The target's cache tensors are copied up to the current length. The drafter is copied
+        too: an n-gram index is rebuilt from the tokens (its corpus documents cloned); a draft
+        model (or CombinedDrafter) gets a copy of the draft model's KV cache, committed tokens,
+        draft vocabulary and sampling generator; an EAGLE head (alone or with the n-gram) a
+        copy of the head's cache and pending target features. Each gets its own copy of the
+        auto-k state (the target's measured pass costs stay shared, as across generate()
+        calls). Supported: the n-gram drafter, a draft model, a CombinedDrafter, an EAGLE head,
+        and drafter=None; other drafter objects raise TypeError."""
         new = copy.copy(self)
+        new._drafter = _fork_drafter(self._drafter, self._ids)
         new.defaults = dict(self.defaults)
         new._turns = list(self._turns)
         new._ids = list(self._ids)
         new._decoder = None if self._decoder is None else _copy_decoder(self.model, self._decoder)
-        if isinstance(self._drafter, IndexDraft):
-            old = self._drafter.inner
-            ngram = _same_ngram(old)
-            if self.corpus_path is not None and os.path.exists(self.corpus_path):
-                ngram = NgramDrafter.load(self.corpus_path, fingerprint=self.fingerprint)
-            new.corpus_path = None  # one writer per corpus file
-            new._drafter = IndexDraft(ngram, self.fixed_k)
-            new._drafter.auto = copy.deepcopy(self._drafter.auto)
-            new._drafter.extend(self._ids)
+        # One writer per corpus file; the fork drafts from the documents the parent holds,
+        # which are what the file holds (saved after every turn).
+        new.corpus_path = None
         return new
 
     def _make_drafter(self, drafter, settings):
@@ -351,17 +349,110 @@ def _is_ngram(obj) -> bool:
     return isinstance(obj, NgramDrafter)
 
 
-def _same_ngram(old):
-    """A fresh NgramDrafter with `old`'s options (its corpus documents are not copied)."""
+def _clone_ngram(old, ids: list[int]):
+    """A new NgramDrafter with `old`'s options and corpus documents, extended with `ids`."""
+    import tempfile
+
     from specfast._core import NgramDrafter
 
-    return NgramDrafter(
-        min_match=old.min_match,
-        policy=old.policy,
-        k_factor=old.k_factor,
-        k_offset=old.k_offset,
-        max_corpus_tokens=old.max_corpus_tokens,
+    if old.corpus_tokens:  # save/load is the one exact way to copy the documents
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "fork.corpus")
+            old.save(path)
+            new = NgramDrafter.load(path)
+    else:
+        new = NgramDrafter(
+            min_match=old.min_match,
+            policy=old.policy,
+            k_factor=old.k_factor,
+            k_offset=old.k_offset,
+            max_corpus_tokens=old.max_corpus_tokens,
+        )
+    new.extend(ids)
+    return new
+
+
+def _copy_auto(auto):
+    """A copy of an AutoK that shares only the target's pass costs (autok.shared_pass_costs)."""
+    if auto is None:
+        return None
+    return copy.deepcopy(auto, memo={id(auto._sums): auto._sums})
+
+
+def _fork_drafter(drafter, ids: list[int]):
+    """A copy of a Session's drafter (drafters.py protocol object) holding no mutable state in
+    common with it; `ids` are the committed tokens."""
+    from specfast.drafters import CombinedDraft, IndexDraft, ModelDraft, NoDraft
+    from specfast.eagle_draft import EagleDraft, EagleNgramDraft
+
+    if isinstance(drafter, NoDraft):
+        return NoDraft()
+    if isinstance(drafter, IndexDraft) and _is_ngram(drafter.inner):
+        new = copy.copy(drafter)
+        new.inner, new.auto = _clone_ngram(drafter.inner, ids), _copy_auto(drafter.auto)
+        return new
+    if isinstance(drafter, (ModelDraft, EagleDraft)):  # CombinedDraft, EagleNgramDraft too
+        new = copy.copy(drafter)
+        new.auto = _copy_auto(drafter.auto)
+        if isinstance(drafter, EagleDraft):
+            _fork_eagle(new, drafter)
+            if isinstance(drafter, EagleNgramDraft):
+                new.ngram = _clone_ngram(drafter.ngram, ids)
+            return new
+        new.inner = _fork_draft_model(drafter.inner, new.auto)
+        if isinstance(drafter, CombinedDraft):
+            c = new.combined = copy.copy(drafter.combined)
+            c.ngram, c.draft = _clone_ngram(c.ngram, ids), new.inner
+            c.draft_probs, c.confidences = None, []
+        return new
+    raise TypeError(
+        "fork() supports the n-gram drafter, a draft model, a CombinedDrafter, an EAGLE head "
+        f"and drafter=None, not {type(getattr(drafter, 'inner', drafter)).__name__}"
     )
+
+
+def _fork_draft_model(old, auto):
+    """A copy of a draft.DraftModelDrafter: its own KV cache (copied up to its length),
+    committed tokens, last drafts, draft vocabulary and generator; `keep_going` asks `auto`."""
+    new = copy.copy(old)
+    new.decoder = _copy_decoder(old.model, old.decoder)
+    new.committed, new._cached_drafts = list(old.committed), list(old._cached_drafts)
+    new.sampling, new.confidences, new.draft_probs = dict(old.sampling), [], None
+    new.generator = _copy_generator(old.generator)
+    if old.vocab is not None:  # add() grows _extra and _extra_set in place
+        new.vocab = copy.copy(old.vocab)
+        new.vocab._extra, new.vocab._extra_set = list(old.vocab._extra), set(old.vocab._extra_set)
+    if auto is not None:
+        new.keep_going = auto.keep_drafting  # the parent's is bound to the parent's AutoK
+    return new
+
+
+def _fork_eagle(new, old) -> None:
+    """Gives `new` (a shallow copy of the EagleDraft `old`) its own head cache and state."""
+    new.cache = _copy_cache(old.cache)
+    new.committed, new.pending = list(old.committed), list(old.pending)  # tensors: never written
+    new.sampling, new.confidences, new.draft_probs = dict(old.sampling), [], None
+    new.generator = _copy_generator(old.generator)
+
+
+def _copy_generator(g: torch.Generator) -> torch.Generator:
+    new = torch.Generator(device=g.device)
+    new.set_state(g.get_state())
+    return new
+
+
+def _copy_cache(cache):
+    """A kv_cache.KVCache of the same shape holding the same first `length` positions."""
+    from specfast.kv_cache import KVCache
+
+    L, Hkv, S, hd = cache.k.shape
+    new = KVCache(L, Hkv, S, hd, cache.k.device, cache.k.dtype)
+    n = cache.length
+    with torch.inference_mode():
+        new.k[:, :, :n].copy_(cache.k[:, :, :n])  # (L, Hkv, n, hd)
+        new.v[:, :, :n].copy_(cache.v[:, :, :n])
+    new.length = n
+    return new
 
 
 def _copy_decoder(model, decoder):
