@@ -256,35 +256,28 @@ def test_a_forked_auto_k_drafter_owns_its_auto_k_and_equals_generate(kind):
 
 @pytest.mark.parametrize("kind", ["draft-model", "eagle"])
 def test_negative_control_a_fork_sharing_the_draft_cache_is_caught(kind, monkeypatch):
-    import specfast.session as session_module
+    from specfast.draft import DraftModelDrafter
+    from specfast.eagle_draft import EagleDraft
 
     # The bug: the fork's draft model (or EAGLE head) writes the parent's cache.
-    if kind == "draft-model":
-        real = session_module._fork_draft_model
+    cls, cache = (DraftModelDrafter, "decoder") if kind == "draft-model" else (EagleDraft, "cache")
+    real = cls.fork
 
-        def sharing(old, auto):
-            new = real(old, auto)
-            new.decoder = old.decoder
-            return new
+    def sharing(self, *args):
+        new = real(self, *args)
+        setattr(new, cache, getattr(self, cache))
+        return new
 
-        monkeypatch.setattr(session_module, "_fork_draft_model", sharing)
-    else:
-        real_eagle = session_module._fork_eagle
-
-        def sharing_eagle(new, old):
-            real_eagle(new, old)
-            new.cache = old.cache
-
-        monkeypatch.setattr(session_module, "_fork_eagle", sharing_eagle)
+    monkeypatch.setattr(cls, "fork", sharing)
     # The draft cache then differs from a replay's (or a rollback finds it too short).
     with pytest.raises((AssertionError, ValueError)):
         forked_conversation(kind)
 
 
 def test_negative_control_a_fork_sharing_auto_k_is_caught(monkeypatch):
-    import specfast.session as session_module
+    import specfast.drafters as drafters_module
 
-    monkeypatch.setattr(session_module, "_copy_auto", lambda auto: auto)
+    monkeypatch.setattr(drafters_module, "copy_auto", lambda auto: auto)
     parent, child, _, _ = forked_conversation("draft-model", k="auto")
     assert any("auto" in p for p in shared_state(parent._drafter, child._drafter))
 

@@ -20,6 +20,7 @@ a draft depends only on the draft side, never on the target's verdict.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import warnings
@@ -28,8 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specfast.model import Model
-from specfast.runtime import make_decoder, model_facts, tokenizer_vocab
-from specfast.sampling import logits_to_probs
+from specfast.runtime import copy_decoder, make_decoder, model_facts, tokenizer_vocab
+from specfast.sampling import copy_generator, logits_to_probs
 
 # A draft model whose vocabulary is larger than twice this proposes from its this-many lowest
 # token ids plus every token of the sequence (see DraftVocabulary); "auto" in generate().
@@ -97,6 +98,19 @@ class DraftModelDrafter:
         self._cached_drafts.clear()
         self._known = 0
         self.decoder.rollback(0)
+
+    def fork(self, auto=None) -> DraftModelDrafter:
+        """A copy with its own KV cache (copied up to its length), committed tokens, last
+        drafts, draft vocabulary and generator; its `keep_going` asks `auto` (an AutoK)."""
+        new = copy.copy(self)
+        new.decoder = copy_decoder(self.model, self.decoder)
+        new.committed, new._cached_drafts = list(self.committed), list(self._cached_drafts)
+        new.sampling, new.confidences, new.draft_probs = dict(self.sampling), [], None
+        new.generator = copy_generator(self.generator)
+        new.vocab = None if self.vocab is None else self.vocab.copy()
+        if auto is not None:
+            new.keep_going = auto.keep_drafting  # ours is bound to the parent's AutoK
+        return new
 
     def __len__(self) -> int:
         return len(self.committed)
@@ -181,6 +195,12 @@ class DraftVocabulary:
         self._extra_rows = None
         self.ids = self._common_rows.ids  # (S,) the token of each logit row
         self.add(always)
+
+    def copy(self) -> DraftVocabulary:
+        """A copy whose later `add`s do not reach this one (the row tensors are never written)."""
+        new = copy.copy(self)
+        new._extra, new._extra_set = list(self._extra), set(self._extra_set)
+        return new
 
     def add(self, tokens) -> None:
         """Lets the draft propose these tokens from now on."""

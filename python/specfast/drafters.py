@@ -21,6 +21,9 @@ The protocol (`Drafter`):
 - `rollback(kept)`: the committed sequence is now `kept`, a prefix of what it was (a Session's
   rewind, or an interrupted turn). An n-gram index resets and re-extends; a draft model cuts its
   committed list and its cache follows on the next proposal.
+- `fork(ids)`: a copy sharing no mutable state with this one (`Session.fork`; `ids` are the
+  committed tokens), with its own auto-k state; only the target's pass costs stay shared.
+  TypeError where a drafter cannot be copied.
 
 `verified` is the verify pass (`Verified`): its logits and how many rows were kept. A drafter
 that reads the target's hidden states (an EAGLE head, eagle.py) sets `wants_features` and
@@ -33,6 +36,9 @@ Adding a drafter is one class (here, or in its own file) plus a line in `make_dr
 
 from __future__ import annotations
 
+import copy
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -73,10 +79,14 @@ class Drafter(Protocol):
         self, proposal: Proposal, n_accepted: int, verify_seconds: float, verified: Verified
     ) -> None: ...
     def rollback(self, kept: list[int]) -> None: ...
+    def fork(self, ids: list[int]) -> Drafter: ...
+
+
+FORKABLE = "the n-gram drafter, a draft model, a CombinedDrafter, an EAGLE head and drafter=None"
 
 
 class _Base:
-    """Defaults: no cache to prefill, no sampling state, no features."""
+    """Defaults: no cache to prefill, no sampling state, no features, no fork."""
 
     wants_features = False
     feature_layers: tuple[int, ...] = ()
@@ -86,6 +96,10 @@ class _Base:
 
     def start_turn(self, seed: int, params: dict | None) -> None:
         pass
+
+    def fork(self, ids: list[int]) -> Drafter:
+        name = type(getattr(self, "inner", self)).__name__
+        raise TypeError(f"fork() supports {FORKABLE}, not {name}")
 
 
 # ----------------------------------------------------------------------------
@@ -106,6 +120,9 @@ class NoDraft(_Base):
 
     def rollback(self, kept) -> None:
         pass
+
+    def fork(self, ids) -> NoDraft:
+        return NoDraft()
 
 
 class IndexDraft(_Base):
@@ -150,6 +167,13 @@ class IndexDraft(_Base):
         self.inner.reset()
         self.inner.extend(kept)
 
+    def fork(self, ids) -> IndexDraft:
+        if not isinstance(self.inner, NgramDrafter):
+            return super().fork(ids)  # TypeError: another object's index cannot be copied
+        new = copy.copy(self)
+        new.inner, new.auto = clone_ngram(self.inner, ids), copy_auto(self.auto)
+        return new
+
 
 class ModelDraft(_Base):
     """A draft model (draft.DraftModelDrafter). Auto k: up to AutoK's `max_draft_k` steps, cut
@@ -186,6 +210,12 @@ class ModelDraft(_Base):
     def rollback(self, kept) -> None:
         self.inner.truncate(len(kept))
 
+    def fork(self, ids) -> ModelDraft:
+        new = copy.copy(self)
+        new.auto = copy_auto(self.auto)
+        new.inner = self.inner.fork(new.auto)
+        return new
+
 
 class CombinedDraft(ModelDraft):
     """draft.CombinedDrafter: the n-gram where the context repeats, the draft model elsewhere.
@@ -218,12 +248,45 @@ class CombinedDraft(ModelDraft):
         self.combined.ngram.extend(kept)
         self.inner.truncate(len(kept))
 
+    def fork(self, ids) -> CombinedDraft:
+        new = super().fork(ids)
+        c = new.combined = copy.copy(self.combined)
+        c.ngram, c.draft = clone_ngram(c.ngram, ids), new.inner
+        c.draft_probs, c.confidences = None, []
+        return new
+
 
 def _observe_model(auto: AutoK, proposal: Proposal, n_accepted: int, verify_seconds: float):
     n = len(proposal.tokens)
     auto.observe(n, n_accepted, verify_seconds, proposal.seconds, proposal.evidence)
     if n and proposal.confidences:
         auto.observe_confidences(proposal.confidences, n_accepted)
+
+
+def clone_ngram(old: NgramDrafter, ids: list[int]) -> NgramDrafter:
+    """A new NgramDrafter with `old`'s options and corpus documents, extended with `ids`."""
+    if old.corpus_tokens:  # save/load is the one exact way to copy the documents
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "fork.corpus")
+            old.save(path)
+            new = NgramDrafter.load(path)
+    else:
+        new = NgramDrafter(
+            min_match=old.min_match,
+            policy=old.policy,
+            k_factor=old.k_factor,
+            k_offset=old.k_offset,
+            max_corpus_tokens=old.max_corpus_tokens,
+        )
+    new.extend(ids)
+    return new
+
+
+def copy_auto(auto: AutoK | None) -> AutoK | None:
+    """A copy of an AutoK that shares only the target's pass costs (autok.shared_pass_costs)."""
+    if auto is None:
+        return None
+    return copy.deepcopy(auto, memo={id(auto._sums): auto._sums})
 
 
 # ----------------------------------------------------------------------------

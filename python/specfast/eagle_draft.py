@@ -6,16 +6,18 @@ features of the rows the target kept; q is the head's filtered distribution mapp
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
 from specfast import eagle
 from specfast.autok import AutoK
-from specfast.drafters import Proposal, Verified, _Base, _observe_model
+from specfast.drafters import Proposal, Verified, _Base, _observe_model, clone_ngram, copy_auto
 from specfast.eagle import EagleHead, check_config_for_target, check_target, load_eagle
 from specfast.kv_cache import KVCache
 from specfast.model import Model
-from specfast.sampling import logits_to_probs
+from specfast.sampling import copy_generator, logits_to_probs
 
 
 class FastLinears:
@@ -106,6 +108,15 @@ class EagleDraft(_Base):
         self.confidences: list[float] = []
 
     # -- the protocol
+
+    def fork(self, ids) -> EagleDraft:
+        new = copy.copy(self)
+        new.auto = copy_auto(self.auto)
+        new.cache = self.cache.clone()
+        new.committed, new.pending = list(self.committed), list(self.pending)  # never written
+        new.sampling, new.confidences, new.draft_probs = dict(self.sampling), [], None
+        new.generator = copy_generator(self.generator)
+        return new
 
     def start_turn(self, seed: int, params: dict | None) -> None:
         self.greedy = params is None or params.get("temperature", 0) == 0
@@ -261,6 +272,11 @@ class EagleNgramDraft(EagleDraft):
     def __init__(self, combined, target, fixed_k, max_length):
         super().__init__(combined.model, target, fixed_k, max_length)
         self.ngram, self.min_match = combined.ngram, combined.min_match
+
+    def fork(self, ids) -> EagleNgramDraft:
+        new = super().fork(ids)
+        new.ngram = clone_ngram(self.ngram, ids)
+        return new
 
     def extend(self, tokens) -> None:
         super().extend(tokens)

@@ -34,6 +34,21 @@ class KVCache:
         check_rollback(length, self.length)
         self.length = length
 
+    def copy_from(self, src: KVCache) -> None:
+        """Holds `src`'s first `src.length` positions (a Session fork); shapes must match."""
+        n = src.length
+        with torch.inference_mode():
+            self.k[:, :, :n].copy_(src.k[:, :, :n])  # (L, Hkv, n, hd)
+            self.v[:, :, :n].copy_(src.v[:, :, :n])
+        self.length = n
+
+    def clone(self) -> KVCache:
+        """A new cache of the same shape holding this one's first `length` positions."""
+        L, Hkv, S, hd = self.k.shape
+        new = KVCache(L, Hkv, S, hd, self.k.device, self.k.dtype)
+        new.copy_from(self)
+        return new
+
 
 def check_rollback(length, current: int) -> None:
     """What every decoder's rollback accepts: an int in [0, current]."""

@@ -69,3 +69,21 @@ def context_hint(model) -> str:
 def tokenizer_vocab(model) -> dict[str, int] | None:
     tokenizer = model_tokenizer(model)
     return tokenizer.get_vocab() if tokenizer is not None else None
+
+
+def copy_decoder(model, decoder):
+    """A new decoder of `model` holding `decoder`'s first `decoder.length` positions (fork)."""
+    import copy
+
+    from specfast.hf import HFDecoder
+    from specfast.model import Decoder
+
+    if isinstance(decoder, Decoder):
+        new = model.decoder(decoder.max_length)
+        new.cache.copy_from(decoder.cache)
+        return new
+    if isinstance(decoder, HFDecoder):
+        new = copy.copy(decoder)
+        new.cache = copy.deepcopy(decoder.cache)
+        return new
+    raise TypeError(f"fork() cannot copy a {type(decoder).__name__} cache")

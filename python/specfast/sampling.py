@@ -350,3 +350,10 @@ def sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     below_total = torch.nextafter(total, torch.zeros_like(total))
     target = torch.minimum(uniforms.to(cdf.device, non_blocking=True)[:, None] * total, below_total)
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+
+
+def copy_generator(g: torch.Generator) -> torch.Generator:
+    """A generator on g's device in g's state (a Session fork draws what the parent would)."""
+    new = torch.Generator(device=g.device)
+    new.set_state(g.get_state())
+    return new

@@ -48,8 +48,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from specfast.generate import (
     GenerateOutput,
     _encode,
@@ -59,7 +57,7 @@ from specfast.generate import (
     generate,
     run_turn,
 )
-from specfast.runtime import model_tokenizer
+from specfast.runtime import copy_decoder, model_tokenizer
 
 DEFAULT_MAX_LENGTH = 8192
 # Options fixed when the session starts: they shape the drafter.
@@ -291,11 +289,11 @@ class Session:
         calls). Supported: the n-gram drafter, a draft model, a CombinedDrafter, an EAGLE head,
         and drafter=None; other drafter objects raise TypeError."""
         new = copy.copy(self)
-        new._drafter = _fork_drafter(self._drafter, self._ids)
+        new._drafter = self._drafter.fork(self._ids)
         new.defaults = dict(self.defaults)
         new._turns = list(self._turns)
         new._ids = list(self._ids)
-        new._decoder = None if self._decoder is None else _copy_decoder(self.model, self._decoder)
+        new._decoder = None if self._decoder is None else copy_decoder(self.model, self._decoder)
         # One writer per corpus file; the fork drafts from the documents the parent holds,
         # which are what the file holds (saved after every turn).
         new.corpus_path = None
@@ -341,135 +339,3 @@ def _message_copy(message):
     if isinstance(message, str):
         return message
     return message.tolist() if hasattr(message, "tolist") else [int(t) for t in message]
-
-
-def _is_ngram(obj) -> bool:
-    from specfast._core import NgramDrafter
-
-    return isinstance(obj, NgramDrafter)
-
-
-def _clone_ngram(old, ids: list[int]):
-    """A new NgramDrafter with `old`'s options and corpus documents, extended with `ids`."""
-    import tempfile
-
-    from specfast._core import NgramDrafter
-
-    if old.corpus_tokens:  # save/load is the one exact way to copy the documents
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "fork.corpus")
-            old.save(path)
-            new = NgramDrafter.load(path)
-    else:
-        new = NgramDrafter(
-            min_match=old.min_match,
-            policy=old.policy,
-            k_factor=old.k_factor,
-            k_offset=old.k_offset,
-            max_corpus_tokens=old.max_corpus_tokens,
-        )
-    new.extend(ids)
-    return new
-
-
-def _copy_auto(auto):
-    """A copy of an AutoK that shares only the target's pass costs (autok.shared_pass_costs)."""
-    if auto is None:
-        return None
-    return copy.deepcopy(auto, memo={id(auto._sums): auto._sums})
-
-
-def _fork_drafter(drafter, ids: list[int]):
-    """A copy of a Session's drafter (drafters.py protocol object) holding no mutable state in
-    common with it; `ids` are the committed tokens."""
-    from specfast.drafters import CombinedDraft, IndexDraft, ModelDraft, NoDraft
-    from specfast.eagle_draft import EagleDraft, EagleNgramDraft
-
-    if isinstance(drafter, NoDraft):
-        return NoDraft()
-    if isinstance(drafter, IndexDraft) and _is_ngram(drafter.inner):
-        new = copy.copy(drafter)
-        new.inner, new.auto = _clone_ngram(drafter.inner, ids), _copy_auto(drafter.auto)
-        return new
-    if isinstance(drafter, (ModelDraft, EagleDraft)):  # CombinedDraft, EagleNgramDraft too
-        new = copy.copy(drafter)
-        new.auto = _copy_auto(drafter.auto)
-        if isinstance(drafter, EagleDraft):
-            _fork_eagle(new, drafter)
-            if isinstance(drafter, EagleNgramDraft):
-                new.ngram = _clone_ngram(drafter.ngram, ids)
-            return new
-        new.inner = _fork_draft_model(drafter.inner, new.auto)
-        if isinstance(drafter, CombinedDraft):
-            c = new.combined = copy.copy(drafter.combined)
-            c.ngram, c.draft = _clone_ngram(c.ngram, ids), new.inner
-            c.draft_probs, c.confidences = None, []
-        return new
-    raise TypeError(
-        "fork() supports the n-gram drafter, a draft model, a CombinedDrafter, an EAGLE head "
-        f"and drafter=None, not {type(getattr(drafter, 'inner', drafter)).__name__}"
-    )
-
-
-def _fork_draft_model(old, auto):
-    """A copy of a draft.DraftModelDrafter: its own KV cache (copied up to its length),
-    committed tokens, last drafts, draft vocabulary and generator; `keep_going` asks `auto`."""
-    new = copy.copy(old)
-    new.decoder = _copy_decoder(old.model, old.decoder)
-    new.committed, new._cached_drafts = list(old.committed), list(old._cached_drafts)
-    new.sampling, new.confidences, new.draft_probs = dict(old.sampling), [], None
-    new.generator = _copy_generator(old.generator)
-    if old.vocab is not None:  # add() grows _extra and _extra_set in place
-        new.vocab = copy.copy(old.vocab)
-        new.vocab._extra, new.vocab._extra_set = list(old.vocab._extra), set(old.vocab._extra_set)
-    if auto is not None:
-        new.keep_going = auto.keep_drafting  # the parent's is bound to the parent's AutoK
-    return new
-
-
-def _fork_eagle(new, old) -> None:
-    """Gives `new` (a shallow copy of the EagleDraft `old`) its own head cache and state."""
-    new.cache = _copy_cache(old.cache)
-    new.committed, new.pending = list(old.committed), list(old.pending)  # tensors: never written
-    new.sampling, new.confidences, new.draft_probs = dict(old.sampling), [], None
-    new.generator = _copy_generator(old.generator)
-
-
-def _copy_generator(g: torch.Generator) -> torch.Generator:
-    new = torch.Generator(device=g.device)
-    new.set_state(g.get_state())
-    return new
-
-
-def _copy_cache(cache):
-    """A kv_cache.KVCache of the same shape holding the same first `length` positions."""
-    from specfast.kv_cache import KVCache
-
-    L, Hkv, S, hd = cache.k.shape
-    new = KVCache(L, Hkv, S, hd, cache.k.device, cache.k.dtype)
-    n = cache.length
-    with torch.inference_mode():
-        new.k[:, :, :n].copy_(cache.k[:, :, :n])  # (L, Hkv, n, hd)
-        new.v[:, :, :n].copy_(cache.v[:, :, :n])
-    new.length = n
-    return new
-
-
-def _copy_decoder(model, decoder):
-    """A new decoder holding the same first `decoder.length` positions."""
-    from specfast.hf import HFDecoder
-    from specfast.model import Decoder
-
-    if isinstance(decoder, Decoder):
-        new = model.decoder(decoder.max_length)
-        n = decoder.length
-        with torch.inference_mode():
-            new.cache.k[:, :, :n].copy_(decoder.cache.k[:, :, :n])  # (L, Hkv, n, hd)
-            new.cache.v[:, :, :n].copy_(decoder.cache.v[:, :, :n])
-        new.cache.length = n
-        return new
-    if isinstance(decoder, HFDecoder):
-        new = copy.copy(decoder)
-        new.cache = copy.deepcopy(decoder.cache)
-        return new
-    raise TypeError(f"fork() cannot copy a {type(decoder).__name__} cache")
