@@ -12,6 +12,14 @@ of trusting a cache that specfast has changed.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import platform
+import re
+import signal
+import subprocess
+import sys
+import warnings
 import weakref
 from pathlib import Path
 
@@ -62,6 +70,8 @@ def load_llama(path=None, device=None, **kwargs):
     path = default_model_path() if path is None else Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}: llama.cpp loads single GGUF files")
+    # Before the Llama: loading repacks the weights with the build's instruction sets.
+    check_llama_build()
     kwargs.setdefault("n_ctx", 4096)
     kwargs.setdefault("verbose", False)
     return Llama(model_path=str(path), **kwargs)
@@ -79,6 +89,7 @@ class LlamaDecoder:
 
         if not is_llama(llama):
             raise TypeError(f"expected a llama_cpp.Llama, got {type(llama).__name__}")
+        check_llama_build()
         self.llama = llama
         self._lib = llama_cpp
         self.vocab_size, self.max_context, _ = llama_facts(llama)
@@ -237,3 +248,148 @@ def _lib():
     import llama_cpp
 
     return llama_cpp
+
+
+# ----------------------------------------------------------------------------
+# is this llama.cpp build for this CPU?
+#
+# pip caches the llama-cpp-python wheel it compiled (-march=native) by sdist, not by CPU. Reused
+# on a CPU without the build's instruction sets it imports fine and then dies with SIGILL, a
+# crash that no `except` catches, at the first matrix product. These helpers turn that into a
+# RuntimeError that says what is missing and how to fix it.
+
+LLAMA_PIN = "llama-cpp-python==0.3.36"
+_FIX = (
+    "reinstall llama-cpp-python for this CPU: `bash scripts/install.sh` in a specfast checkout, "
+    f"or `pip install --no-cache-dir --force-reinstall {LLAMA_PIN}`"
+)
+# llama.cpp's names for the x86 instruction sets compiled in (ggml_backend_cpu_get_features) ->
+# the /proc/cpuinfo flags each needs. The kernel spells SSE3 "pni" and AVX512_VBMI "avx512vbmi".
+BUILD_FLAGS = {
+    "SSE3": ("pni",),
+    "SSSE3": ("ssse3",),
+    "AVX": ("avx",),
+    "AVX2": ("avx2",),
+    "AVX_VNNI": ("avx_vnni",),
+    "F16C": ("f16c",),
+    "FMA": ("fma",),
+    "BMI2": ("bmi2",),
+    "AVX512": ("avx512f",),
+    "AVX512_VBMI": ("avx512vbmi",),
+    "AVX512_VNNI": ("avx512_vnni",),
+    "AVX512_BF16": ("avx512_bf16",),
+    "AMX_INT8": ("amx_tile", "amx_int8"),
+}
+# The child that reads the build report. Not this process: the report is compile-time macros,
+# but reading it registers ggml's CPU backend, and ggml_cpu_init runs the build's own code. In
+# the -march=native AVX-512 build of 2026-11-30, gdb showed llama_print_system_info() execute a
+# zmm store inside ggml_cpu_init, so on an AVX2-only CPU the report itself dies with SIGILL.
+# (`import llama_cpp` alone executed none of the library's AVX-512 code.)
+_PROBE = "import sys, llama_cpp; sys.stdout.write(llama_cpp.llama_print_system_info().decode())"
+
+
+def read_cpu_flags() -> set[str] | None:
+    """The flags of /proc/cpuinfo on Linux x86-64; None elsewhere (nothing to check)."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return None
+
+
+def build_instructions(system_info: str) -> list[str]:
+    """The x86 instruction sets a llama_print_system_info() string reports as compiled in."""
+    return [n for n in re.findall(r"(\w+) = 1\b", system_info) if n in BUILD_FLAGS]
+
+
+def llama_system_info() -> str | None:
+    """llama_print_system_info() of the installed llama_cpp, read in a child process.
+
+    None when llama_cpp is not installed or the child failed without crashing (with a warning).
+    Raises RuntimeError when the child was killed by a signal: the build crashed on this CPU.
+    """
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        return None
+    # The child imports the very package this process would, wherever it came from.
+    where = str(Path(spec.origin).parent.parent)
+    code = f"import sys; sys.path.insert(0, {where!r}); {_PROBE}"
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        warnings.warn(
+            f"could not check the llama.cpp build for this CPU: {e}", RuntimeWarning, stacklevel=2
+        )
+        return None
+    if run.returncode < 0:
+        try:
+            name = signal.Signals(-run.returncode).name
+        except ValueError:
+            name = f"signal {-run.returncode}"
+        raise RuntimeError(
+            f"llama-cpp-python at {Path(spec.origin).parent} was built for another CPU: "
+            f"reading its build report killed a child process with {name} (an instruction this "
+            f"CPU lacks), and a model would crash this process the same way; {_FIX}"
+        )
+    if run.returncode != 0:
+        tail = run.stderr.strip().splitlines()[-1:] or ["no output"]
+        warnings.warn(
+            f"could not check the llama.cpp build for this CPU: {tail[0]}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return run.stdout
+
+
+def check_llama_build(system_info: str | None = None, cpu_flags: set[str] | None = None) -> None:
+    """Raises RuntimeError when llama.cpp was compiled for instructions this CPU lacks.
+
+    With no arguments: the installed llama_cpp's build report against /proc/cpuinfo, checked
+    once per process; a no-op off Linux x86-64. The report names only the instruction sets ggml
+    asks about, so a build that uses others (-march=native may emit AVX512-FP16, say) can still
+    pass here; the wheel cache of scripts/install.sh, keyed by the CPU, covers those.
+    """
+    if system_info is None and cpu_flags is None:
+        problem = _this_build_problem()
+    else:
+        flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+        info = llama_system_info() if system_info is None else system_info
+        problem = None if flags is None or info is None else _build_problem(info, flags)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+@functools.cache
+def _this_build_problem() -> str | None:
+    flags = read_cpu_flags()
+    if flags is None:
+        return None
+    try:
+        info = llama_system_info()
+    except RuntimeError as e:
+        return str(e)
+    return None if info is None else _build_problem(info, flags)
+
+
+def _build_problem(system_info: str, flags: set[str]) -> str | None:
+    """The error message for a build that needs flags missing from `flags`, else None."""
+    missing = {}
+    for name in build_instructions(system_info):
+        lacks = [f for f in BUILD_FLAGS[name] if f not in flags]
+        if lacks:
+            missing[name] = lacks
+    if not missing:
+        return None
+    needs = ", ".join(f"{n} ({' '.join(f)})" for n, f in missing.items())
+    return (
+        f"llama-cpp-python was compiled for instruction sets this CPU lacks: {needs}. "
+        "Using it would crash the process (SIGILL) at the first matrix product; " + _FIX
+    )
