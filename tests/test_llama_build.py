@@ -144,6 +144,24 @@ def test_load_llama_checks_before_building_the_llama(monkeypatch, smollm_gguf):
     assert lc.load_llama(smollm_gguf) == "a llama" and len(built) == 1
 
 
+def test_bench_checks_before_building_its_llamas(monkeypatch, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from specfast.llama_bench import load_llamas
+
+    built = []
+    monkeypatch.setattr(llama_cpp, "Llama", lambda **kw: built.append(kw) or "a llama")
+
+    def refuse():
+        raise RuntimeError("built for another CPU")
+
+    monkeypatch.setattr(lc, "check_llama_build", refuse)
+    with pytest.raises(RuntimeError, match="another CPU"):
+        load_llamas(tmp_path / "m.gguf", ["llama.cpp-plain"], None)
+    assert built == []
+    monkeypatch.setattr(lc, "check_llama_build", lambda: None)  # control
+    assert load_llamas(tmp_path / "m.gguf", ["llama.cpp-plain"], None) == {"target": "a llama"}
+
+
 def test_llama_decoder_checks(monkeypatch):
     pytest.importorskip("llama_cpp")
     Llama = type("Llama", (), {"__module__": "llama_cpp.llama"})  # is_llama accepts it

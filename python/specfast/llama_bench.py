@@ -45,6 +45,10 @@ def load_llamas(
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+    from specfast.llama_cpp import check_llama_build
+
+    check_llama_build()  # before any Llama: loading one runs the build's kernels
+
     def load(path: Path, **kw):
         if n_threads is not None:
             kw |= {"n_threads": n_threads, "n_threads_batch": n_threads}
