@@ -282,9 +282,9 @@ BUILD_FLAGS = {
 }
 # The child that reads the build report. Not this process: the report is compile-time macros,
 # but reading it registers ggml's CPU backend, and ggml_cpu_init runs the build's own code. In
-# the -march=native AVX-512 build of 2026-11-30, gdb showed llama_print_system_info() execute a
-# zmm store inside ggml_cpu_init, so on an AVX2-only CPU the report itself dies with SIGILL.
-# (`import llama_cpp` alone executed none of the library's AVX-512 code.)
+# the -march=native AVX-512 build of 2026-11-30, llama_print_system_info() executed 32 zmm loads
+# and stores inside ggml_cpu_init (benches/llama_isa_trace.py, under gdb), so on an AVX2-only CPU
+# the report itself dies with SIGILL. `import llama_cpp` alone executed none.
 _PROBE = "import sys, llama_cpp; sys.stdout.write(llama_cpp.llama_print_system_info().decode())"
 
 
