@@ -71,6 +71,13 @@ def test_kernel_spellings():
         lc.check_llama_build("CPU : AMX_INT8 = 1 | ", {"amx_int8"})
 
 
+def test_bad_argument_types():
+    with pytest.raises(TypeError, match="set of /proc/cpuinfo flag names"):
+        lc.check_llama_build(AVX512_BUILD, "avx512f avx2")  # a str would match substrings
+    with pytest.raises(TypeError, match="decode"):
+        lc.check_llama_build(AVX512_BUILD.encode(), AVX512_CPU)
+
+
 def test_features_off_or_not_x86_are_ignored():
     info = "CPU : AVX512 = 0 | NEON = 1 | LLAMAFILE = 1 | REPACK = 1 | \nCUDA : ARCHS = 890 | "
     assert lc.build_instructions(info) == []

@@ -355,8 +355,14 @@ def check_llama_build(system_info: str | None = None, cpu_flags: set[str] | None
     With no arguments: the installed llama_cpp's build report against /proc/cpuinfo, checked
     once per process; a no-op off Linux x86-64. The report names only the instruction sets ggml
     asks about, so a build that uses others (-march=native may emit AVX512-FP16, say) can still
-    pass here; the wheel cache of scripts/install.sh, keyed by the CPU, covers those.
+    pass here; installs through scripts/install.sh, whose wheel cache is keyed by the CPU's
+    flags, are covered for those too.
     """
+    if isinstance(cpu_flags, str) or isinstance(system_info, bytes):
+        raise TypeError(
+            "check_llama_build takes system_info as str (llama_print_system_info().decode()) "
+            "and cpu_flags as a set of /proc/cpuinfo flag names"
+        )
     if system_info is None and cpu_flags is None:
         problem = _this_build_problem()
     else:
