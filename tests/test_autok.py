@@ -101,3 +101,37 @@ def test_pass_costs_carry_over_between_calls_on_one_target():
 
 class Target:
     """Any weakly referenceable object stands in for a model."""
+
+
+def test_plain_steps_are_priced_at_their_measured_cost():
+    """llama.cpp on a CPU: pass cost is concave at the start (1, 1.6, 1.85 steps at n = 1, 2, 3).
+    A straight line through every length puts t(1) at 1.1 and makes a 45 %-right 1-token draft
+    look worth it (1.45 tokens for 1.48 against 1 for 1.1); measured, it is not (1.45 for 1.6)."""
+    costs = {1: 1.0, 2: 1.6, 3: 1.85, 5: 2.6, 9: 4.1}
+
+    def trained(kind):
+        auto = kind()
+        for i in range(40):
+            for n, t in costs.items():
+                auto.observe(n - 1, 0, t, 0.0, 0)
+            right = (i * 9) // 20 != ((i + 1) * 9) // 20  # 2-token matches: right 45 %
+            auto.observe(1, int(right), costs[2], 0.0, 2)
+        return auto
+
+    auto = trained(AutoK)
+    assert abs(auto.pass_seconds(1) - 1.0) < 1e-9
+    assert 2.1 < auto.pass_seconds(4) < 2.4  # not timed: the line through the timed lengths
+    assert 0.35 < auto.acceptance(2) < 0.55
+    assert auto._best(2)[0] == 0
+    assert trained(LinearFit)._best(2)[0] > 0  # negative control: the straight line drafts
+
+
+class LinearFit(AutoK):
+    """The known-wrong estimate: one least-squares line through every measured length."""
+
+    def pass_seconds(self, n: int) -> float:
+        means = {m: t / w for m, (w, t) in self._sums.items() if w > 0}
+        mx, my = sum(means) / len(means), sum(means.values()) / len(means)
+        var = sum((x - mx) ** 2 for x in means)
+        slope = sum((x - mx) * (means[x] - my) for x in means) / var
+        return my + slope * (n - mx)

@@ -15,6 +15,12 @@ useless matches of open text switch off the long, valuable ones of quoted text (
 A bucket whose rate says "off" is probed now and then, with exponential backoff, so a workload
 that starts repeating is noticed.
 
+Pass cost: the mean time measured at a pass length where that length was timed often enough
+(always for t(1), the plain step), else a line through the means of every measured length. On
+llama.cpp the cost is concave at the start (12, 19, 23 ms at n = 1, 2, 3), so the line alone puts
+t(1) a sixth too high and t(2) too low: plain decoding looks slower than it is, and weak drafts
+look worth it.
+
 A draft model's acceptance is anything but uniform: it copies a function it has seen with
 near-certainty and guesses at the next idea. So a round's length is not fixed in advance. The
 draft runs up to `max_draft_k` steps and stops once the next step is unlikely to pay
@@ -33,6 +39,8 @@ MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of 
 # Lower edges of the draft model's probability for its token; the last buckets are narrow
 # because copying runs live there, where 0.99 and 0.999 mean very different run lengths.
 CONFIDENCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.98, 0.99, 0.995, 0.999)
+# A pass length timed this often recently (decayed count) is priced at its own mean, not the line.
+WELL_MEASURED = 2.0
 
 
 # A pass's cost belongs to the target and the machine, not to one call: the decayed sums are kept
@@ -81,9 +89,9 @@ class AutoK:
         self._calibration: dict[float, _Rate] = {}  # confidence bucket -> acceptance
         # Decayed sums of tokens committed and seconds spent per round: the running rate.
         self._tokens, self._seconds = 0.0, 0.0
-        # Pass cost t(n) = intercept + slope * n, fitted from decayed sums per n.
+        # Pass cost t(n): decayed sums per n, and what pass_seconds reads from them.
         self._sums: dict[int, list[float]] = {}  # n -> [weight, total seconds]; use_pass_costs
-        self._fit: tuple[float, float, float] | None = None
+        self._fit: tuple[dict[int, float], float, float, float] | None = None
         self.draft_step_seconds = 0.0  # a draft model's cost per proposed token
 
     def use_pass_costs(self, sums: dict[int, list[float]]) -> None:
@@ -126,26 +134,31 @@ class AutoK:
         self._fit = None
 
     def pass_seconds(self, n: int) -> float:
-        """Estimated target pass time over n tokens (linear fit; a weak prior fills the gaps)."""
+        """Estimated target pass time over n tokens: its measured mean where well measured, else
+        a line through every measured length; a weak, nearly flat prior before any."""
         if self._fit is None:
             self._fit = self._fit_pass_cost()
-        intercept, slope, floor = self._fit
+        measured, intercept, slope, floor = self._fit
+        if n in measured:
+            return measured[n]
         return max(intercept + slope * n, floor)
 
-    def _fit_pass_cost(self) -> tuple[float, float, float]:
-        """(intercept, slope, floor) of t(n), refitted once per observation, not per candidate."""
+    def _fit_pass_cost(self) -> tuple[dict[int, float], float, float, float]:
+        """(the well-measured means, intercept, slope, floor), refitted once per observation,
+        not per candidate. t(1) always counts as well measured: it is the baseline."""
         means = {m: t / w for m, (w, t) in self._sums.items() if w > 0}
         if not means:
-            return 1.0, 0.0, 1.0
+            return {}, 1.0, 0.0, 1.0
+        measured = {m: t for m, t in means.items() if m == 1 or self._sums[m][0] >= WELL_MEASURED}
         base = means.get(1, min(means.values()))
         if len(means) < 2:
-            return base * 0.98, base * 0.02, base * 0.5
+            return measured, base * 0.98, base * 0.02, base * 0.5
         xs = list(means)
         mx = sum(xs) / len(xs)
         my = sum(means.values()) / len(xs)
         var = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (means[x] - my) for x in xs) / var if var else 0.0
-        return my - slope * mx, slope, base * 0.5
+        return measured, my - slope * mx, slope, base * 0.5
 
     def _best(self, match_length: int | None) -> tuple[int, float]:
         """The best k for this evidence and its expected tokens per second (k = 0: plain)."""
