@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specfast.autok import AutoK, shared_pass_costs
+from specfast.autok import AutoK, shared_match_rates, shared_pass_costs
 
 
 def feed(
@@ -135,3 +135,59 @@ class LinearFit(AutoK):
         var = sum((x - mx) ** 2 for x in means)
         slope = sum((x - mx) * (means[x] - my) for x in means) / var
         return my + slope * (n - mx)
+
+
+def test_ngram_rates_carry_over_between_calls_on_one_target():
+    """A call starts from the n-gram rates the last call on its target ended with: after one
+    call learns that 4-token matches are wrong, the next drafts nothing on them at once, while a
+    call on another target starts from the prior and drafts."""
+    target, other = Target(), Target()
+    first = AutoK()
+    first.use_match_rates(shared_match_rates(target))
+    feed(first, 20, 2, 0, match=4, cost_per_token=0.6)
+    again, fresh = AutoK(), AutoK()
+    again.use_match_rates(shared_match_rates(target))
+    fresh.use_match_rates(shared_match_rates(other))
+    for auto in (again, fresh):
+        auto.use_pass_costs(first._sums)
+    assert again.choose(4) == 0
+    assert fresh.choose(4) > 0  # negative control: the prior (4 / 5.5) drafts
+    # A copy, not the same object: the new call's evidence does not rewrite the old call's.
+    feed(again, 20, 2, 2, match=4, cost_per_token=0.6)
+    assert first.acceptance(4) < 0.2 < 0.8 < again.acceptance(4)
+    assert shared_match_rates(target)["rates"] is again._rates  # the next call starts here
+
+
+def test_a_long_draft_accepted_whole_rearms_backed_off_buckets():
+    auto = AutoK()
+    feed(auto, 20, 2, 0, match=1, cost_per_token=0.6)  # 1-token matches: backed off to 256
+    assert auto._rate(1).probe_every == 256
+    auto.observe(8, 8, 1.0, 0.0, 16)
+    assert auto._rate(1).probe_every == 4
+    auto2 = AutoK()
+    feed(auto2, 20, 2, 0, match=1, cost_per_token=0.6)
+    auto2.observe(8, 7, 1.0, 0.0, 16)  # negative control: not whole
+    assert auto2._rate(1).probe_every == 256
+
+
+def test_generate_drafters_start_from_the_last_calls_rates():
+    from specfast.drafters import make_drafter
+
+    def make(target):
+        return make_drafter(
+            "ngram",
+            target=target,
+            fixed_k=None,
+            max_length=64,
+            seed=0,
+            params={},
+            vocabulary=None,
+            eos_ids=[],
+        )
+
+    target = Target()
+    first = make(target)
+    feed(first.auto, 20, 2, 0, match=4, cost_per_token=0.6)
+    second, unrelated = make(target), make(Target())
+    assert second.auto.acceptance(4) == first.auto.acceptance(4) < 0.2
+    assert unrelated.auto.acceptance(4) > 0.7  # negative control: another target, the prior

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 
 from specfast._core import NgramDrafter
-from specfast.autok import AutoK, shared_pass_costs
+from specfast.autok import AutoK, shared_match_rates, shared_pass_costs
 
 
 @dataclass
@@ -307,11 +307,13 @@ def make_drafter(
     """The protocol object for generate()'s `drafter` argument: "ngram", None, an NgramDrafter
     (or any object with extend/propose), a draft model, a CombinedDrafter, or an EAGLE head
     ("eagle", "eagle:PATH", an EagleHead from load_eagle). Its auto k starts from the pass
-    costs earlier calls measured on this target (autok.shared_pass_costs)."""
+    costs earlier calls measured on this target and the n-gram rates the last call ended with
+    (autok.shared_pass_costs, autok.shared_match_rates)."""
     made = _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids)
     auto = getattr(made, "auto", None)
     if auto is not None:
         auto.use_pass_costs(shared_pass_costs(target))
+        auto.use_match_rates(shared_match_rates(target))
     return made
 
 
