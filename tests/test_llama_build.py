@@ -134,15 +134,21 @@ def test_child_that_fails_otherwise_warns_and_skips(monkeypatch):
 # where specfast calls it
 
 
-def test_load_llama_checks_before_building_the_llama(monkeypatch, smollm_gguf):
+def refuse():
+    raise RuntimeError("built for another CPU")
+
+
+@pytest.fixture
+def built(monkeypatch) -> list:
+    """The keyword arguments of every Llama built, with Llama a fake and the check refusing."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    built = []
-    monkeypatch.setattr(llama_cpp, "Llama", lambda **kw: built.append(kw) or "a llama")
-
-    def refuse():
-        raise RuntimeError("built for another CPU")
-
+    calls: list = []
+    monkeypatch.setattr(llama_cpp, "Llama", lambda **kw: calls.append(kw) or "a llama")
     monkeypatch.setattr(lc, "check_llama_build", refuse)
+    return calls
+
+
+def test_load_llama_checks_before_building_the_llama(monkeypatch, built, smollm_gguf):
     with pytest.raises(RuntimeError, match="another CPU"):
         lc.load_llama(smollm_gguf)
     assert built == []
@@ -151,17 +157,9 @@ def test_load_llama_checks_before_building_the_llama(monkeypatch, smollm_gguf):
     assert lc.load_llama(smollm_gguf) == "a llama" and len(built) == 1
 
 
-def test_bench_checks_before_building_its_llamas(monkeypatch, tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp")
+def test_bench_checks_before_building_its_llamas(monkeypatch, built, tmp_path):
     from specfast.llama_bench import load_llamas
 
-    built = []
-    monkeypatch.setattr(llama_cpp, "Llama", lambda **kw: built.append(kw) or "a llama")
-
-    def refuse():
-        raise RuntimeError("built for another CPU")
-
-    monkeypatch.setattr(lc, "check_llama_build", refuse)
     with pytest.raises(RuntimeError, match="another CPU"):
         load_llamas(tmp_path / "m.gguf", ["llama.cpp-plain"], None)
     assert built == []
@@ -172,10 +170,6 @@ def test_bench_checks_before_building_its_llamas(monkeypatch, tmp_path):
 def test_llama_decoder_checks(monkeypatch):
     pytest.importorskip("llama_cpp")
     Llama = type("Llama", (), {"__module__": "llama_cpp.llama"})  # is_llama accepts it
-
-    def refuse():
-        raise RuntimeError("built for another CPU")
-
     monkeypatch.setattr(lc, "check_llama_build", refuse)
     with pytest.raises(RuntimeError, match="another CPU"):
         lc.LlamaDecoder(Llama())
