@@ -189,5 +189,31 @@ def test_generate_drafters_start_from_the_last_calls_rates():
     first = make(target)
     feed(first.auto, 20, 2, 0, match=4, cost_per_token=0.6)
     second, unrelated = make(target), make(Target())
-    assert second.auto.acceptance(4) == first.auto.acceptance(4) < 0.2
+    assert abs(second.auto.acceptance(4) - first.auto.acceptance(4)) < 1e-12
+    assert second.auto.acceptance(4) < 0.2
     assert unrelated.auto.acceptance(4) > 0.7  # negative control: another target, the prior
+
+
+def test_a_carried_rate_is_a_prior_that_the_new_calls_evidence_soon_outweighs(monkeypatch):
+    """A chat after a code edit: 4-token matches were right every time in the last call and are
+    wrong in this one. Carried as a prior (two observations' worth), the rate says "off" after
+    two failed rounds; carried with all the last call's evidence, it would keep drafting."""
+    from specfast import autok
+
+    def rounds_until_off() -> int:
+        target = Target()
+        edit = AutoK()
+        edit.use_match_rates(shared_match_rates(target))
+        feed(edit, 40, 2, 2, match=4, cost_per_token=0.6)  # right every time
+        chat = AutoK()
+        chat.use_match_rates(shared_match_rates(target))
+        chat.use_pass_costs(edit._sums)
+        n = 0
+        while chat.choose(4) and n < 50:
+            chat.observe(2, 0, 2.2, 0.0, 4)  # wrong every time
+            n += 1
+        return n
+
+    assert rounds_until_off() <= 2
+    monkeypatch.setattr(autok, "CARRIED_WEIGHT", 1e9)  # negative control: all the evidence
+    assert rounds_until_off() > 4

@@ -47,6 +47,7 @@ MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of 
 # Lower edges of the draft model's probability for its token; the last buckets are narrow
 # because copying runs live there, where 0.99 and 0.999 mean very different run lengths.
 CONFIDENCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.98, 0.99, 0.995, 0.999)
+CARRIED_WEIGHT = 2.0  # observations' worth of a rate carried from the last call (a fresh prior's)
 REARM_K = 8  # a draft at least this long, accepted whole, re-arms backed-off buckets' probes
 # A pass length timed this often recently (decayed count) is priced at its own mean, not the line.
 WELL_MEASURED = 2.0
@@ -126,7 +127,13 @@ class AutoK:
         call. A draft model's calibration stays per call."""
         for bucket, r in list(latest.get("rates", {}).items()):  # one C call: thread-safe
             if bucket is not None:
-                self._rates[bucket] = copy.copy(r)
+                mine = self._rates[bucket] = copy.copy(r)
+                # The last call's rate is a prior for this one, not evidence about it: as strong
+                # as a fresh prior, so a chat after a code edit stops drafting within two rounds.
+                weight = mine.accepts + mine.rejects
+                if weight > CARRIED_WEIGHT:
+                    mine.accepts *= CARRIED_WEIGHT / weight
+                    mine.rejects *= CARRIED_WEIGHT / weight
         latest["rates"] = self._rates
 
     def _rate(self, bucket: int | None) -> _Rate:
