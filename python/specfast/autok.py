@@ -16,11 +16,13 @@ A bucket whose rate says "off" is probed now and then, with exponential backoff,
 that starts repeating is noticed; a long draft accepted whole re-arms every backed-off bucket.
 
 The n-gram's rates outlive a call: each generate() call on a target starts from a copy of the
-rates the last call on it ended with (`shared_match_rates`), as pass costs carry over. A fresh
-call's prior says a 3-8 token match is right 67-84 % of the time; in open chat it is right far
-less often, and where a batched pass is dear (llama.cpp on a CPU) relearning that in every call
-cost several percent of every answer. Outputs do not change: greedy is exact whatever k, and
-n-gram sampling draws each position from (seed, position), whatever the rounds.
+rates the last call on it ended with (`shared_match_rates`), as pass costs carry over, weighed
+as a prior (two observations' worth) so that a chat after a code edit relearns within two
+rounds. A fresh call's prior says a 3-8 token match is right 67-84 % of the time; in open chat
+it is right far less often, and where a batched pass is dear (llama.cpp on a CPU) relearning
+that in every call cost several percent of every answer. Outputs do not change: greedy is
+exact whatever k, and n-gram sampling draws each position from (seed, position), whatever the
+rounds.
 
 Pass cost: the mean time measured at a pass length where that length was timed often enough
 (always for t(1), the plain step), else a line through the means of every measured length. On
@@ -60,12 +62,8 @@ _PASS_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shared_pass_costs(target) -> dict[int, list[float]]:
-    """The target's pass-cost sums (n -> [weight, seconds]); a new dict for an object that
-    cannot be weakly referenced."""
-    try:
-        return _PASS_COSTS.setdefault(target, {})
-    except TypeError:
-        return {}
+    """The target's pass-cost sums (n -> [weight, seconds])."""
+    return _per_target(_PASS_COSTS, target)
 
 
 # The n-gram's acceptance per match length, per target: the rates of the latest call's AutoK.
@@ -73,10 +71,14 @@ _MATCH_RATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shared_match_rates(target) -> dict[str, dict]:
-    """The target's holder of the latest call's n-gram rates; a new dict for an object that
-    cannot be weakly referenced."""
+    """The target's holder of the latest call's n-gram rates."""
+    return _per_target(_MATCH_RATES, target)
+
+
+def _per_target(table: weakref.WeakKeyDictionary, target) -> dict:
+    """The target's dict in `table`; a new one for an object that cannot be weakly referenced."""
     try:
-        return _MATCH_RATES.setdefault(target, {})
+        return table.setdefault(target, {})
     except TypeError:
         return {}
 

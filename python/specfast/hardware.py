@@ -27,16 +27,21 @@ def cpu_features() -> dict[str, bool]:
             return {f: bool(caps.get(f, False)) for f in SHOWN_FLAGS}
         except (RuntimeError, TypeError):
             pass
-    flags: set[str] = set()
+    flags: frozenset[str] = proc_cpu_flags() or frozenset()
+    # /proc/cpuinfo spells avx512_f as avx512f
+    return {f: f in flags or f.replace("_", "", 1) in flags for f in SHOWN_FLAGS}
+
+
+@cache
+def proc_cpu_flags() -> frozenset[str] | None:
+    """The flags of /proc/cpuinfo (Linux x86-64); None where there is no such line."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+                return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
-    # /proc/cpuinfo spells avx512_f as avx512f
-    return {f: f in flags or f.replace("_", "", 1) in flags for f in SHOWN_FLAGS}
+    return None
 
 
 def cpu_has_native_bf16() -> bool:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specfast.hardware import proc_cpu_flags
 from specfast.kv_cache import check_rollback
 from specfast.model import check_ids
 
@@ -288,18 +289,11 @@ BUILD_FLAGS = {
 _PROBE = "import sys, llama_cpp; sys.stdout.write(llama_cpp.llama_print_system_info().decode())"
 
 
-def read_cpu_flags() -> set[str] | None:
+def read_cpu_flags() -> frozenset[str] | None:
     """The flags of /proc/cpuinfo on Linux x86-64; None elsewhere (nothing to check)."""
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return None
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return None
+    return proc_cpu_flags()
 
 
 def build_instructions(system_info: str) -> list[str]:
@@ -349,7 +343,9 @@ def llama_system_info() -> str | None:
     return run.stdout
 
 
-def check_llama_build(system_info: str | None = None, cpu_flags: set[str] | None = None) -> None:
+def check_llama_build(
+    system_info: str | None = None, cpu_flags: set[str] | frozenset[str] | None = None
+) -> None:
     """Raises RuntimeError when llama.cpp was compiled for instructions this CPU lacks.
 
     With no arguments: the installed llama_cpp's build report against /proc/cpuinfo, checked
@@ -385,7 +381,7 @@ def _this_build_problem() -> str | None:
     return None if info is None else _build_problem(info, flags)
 
 
-def _build_problem(system_info: str, flags: set[str]) -> str | None:
+def _build_problem(system_info: str, flags: set[str] | frozenset[str]) -> str | None:
     """The error message for a build that needs flags missing from `flags`, else None."""
     missing = {}
     for name in build_instructions(system_info):
