@@ -37,7 +37,8 @@ KEY_FLAGS = frozenset(_KEY_FLAGS.split())
 
 
 def cpu_flags() -> set[str] | None:
-    """/proc/cpuinfo's flags on Linux x86-64, else None."""
+    """/proc/cpuinfo's flags on Linux x86-64, else None. specfast.hardware.proc_cpu_flags reads
+    the same line; this copy keeps install.sh's no-op path free of torch's import."""
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     try:
