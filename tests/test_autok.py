@@ -28,10 +28,19 @@ def test_flat_cost_speculates_even_on_weak_evidence():
 
 def test_costly_verification_switches_weak_evidence_off():
     auto = AutoK()
-    feed(auto, 20, 4, 0, match=1, cost_per_token=0.15)  # fp32-like, and nothing is accepted
-    ks = [auto.choose(1) for _ in range(300)]
+    feed(auto, 20, 4, 0, match=3, cost_per_token=0.15)  # fp32-like, and nothing is accepted
+    ks = [auto.choose(3) for _ in range(300)]
     assert ks.count(0) > 290  # off, bar a probe with exponential backoff (every 256 here)
     assert any(ks)  # ... which still happens
+
+
+def test_short_matches_are_not_probed_once_off():
+    auto = AutoK()
+    for match in (1, 2, 3):
+        feed(auto, 20, 4, 0, match=match, cost_per_token=0.15)
+    auto._rate(1).probe_every = auto._rate(2).probe_every = auto._rate(3).probe_every = 4
+    assert not any(auto.choose(m) for m in (1, 2) for _ in range(100))
+    assert any(auto.choose(3) for _ in range(100))  # negative control: 3 tokens still probe
 
 
 def test_long_matches_keep_their_own_rate():
@@ -160,14 +169,14 @@ def test_ngram_rates_carry_over_between_calls_on_one_target():
 
 def test_a_long_draft_accepted_whole_rearms_backed_off_buckets():
     auto = AutoK()
-    feed(auto, 20, 2, 0, match=1, cost_per_token=0.6)  # 1-token matches: backed off to 256
-    assert auto._rate(1).probe_every == 256
+    feed(auto, 20, 2, 0, match=3, cost_per_token=0.6)  # 3-token matches: backed off to 256
+    assert auto._rate(3).probe_every == 256
     auto.observe(8, 8, 1.0, 0.0, 16)
-    assert auto._rate(1).probe_every == 4
+    assert auto._rate(3).probe_every == 4
     auto2 = AutoK()
-    feed(auto2, 20, 2, 0, match=1, cost_per_token=0.6)
+    feed(auto2, 20, 2, 0, match=3, cost_per_token=0.6)
     auto2.observe(8, 7, 1.0, 0.0, 16)  # negative control: not whole
-    assert auto2._rate(1).probe_every == 256
+    assert auto2._rate(3).probe_every == 256
 
 
 def test_generate_drafters_start_from_the_last_calls_rates():
