@@ -806,7 +806,9 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     if llamas:
         from specfast.llama_bench import build_llama_engines
 
-        engines |= build_llama_engines(engines_wanted, llamas, k=args.k, max_new_tokens=n)
+        engines |= build_llama_engines(
+            engines_wanted, llamas, k=args.k, max_new_tokens=n, eagle=getattr(args, "eagle", None)
+        )
     if args.sweep_k:
         if "specfast-plain" not in engines:
             engines["specfast-plain"] = specfast_engine(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -455,7 +456,8 @@ def save_eagle(head: EagleHead, path, dtype="bfloat16") -> Path:
 
 def load_eagle(path=None, target=None, dtype=None) -> EagleHead:
     """An EAGLE-3 head from SpecForge's layout (a folder with config.json + model.safetensors),
-    checked against `target` (a specfast Model) and put on its device, in its dtype (or `dtype`).
+    checked against `target` (a specfast Model, or a llama_cpp.Llama) and put on its device, in its
+    dtype (a Llama's: "auto" on the CPU), or in `dtype`.
 
     path=None is the head shipped for the default model. Pickle files (pytorch_model.bin) are
     refused: convert them first. Errors (ValueError) name what is wrong: a missing tensor, a
@@ -496,18 +498,19 @@ def load_eagle(path=None, target=None, dtype=None) -> EagleHead:
     except (SafetensorError, OSError, RuntimeError) as e:
         raise ValueError(f"{weights}: cannot read safetensors file: {e}") from None
     head = head_from_tensors(config, tensors, target, where=str(weights))
-    if dtype is not None or target is not None:
-        dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    facts = eagle_target(target) if target is not None else None
+    if dtype is not None or facts is not None:
+        dtype = resolve_dtype(dtype) if dtype is not None else facts.dtype
         head = head.to(dtype=dtype)
-    return head.to(target.device) if target is not None else head
+    return head.to(facts.device) if facts is not None else head
 
 
 def head_from_tensors(config: EagleConfig, tensors: dict, target=None, where="") -> EagleHead:
     """The head built from SpecForge-named tensors, with every check (see load_eagle)."""
     where = f"{where}: " if where else ""
-    if target is not None:
-        check_target(target)
-        check_config_for_target(config, target)
+    facts = eagle_target(target) if target is not None else None
+    if facts is not None:
+        check_config_for_target(config, facts)
     own_embedding = "embed_tokens.weight" in tensors
     head = EagleHead(config, own_embedding)
     want = head.state_dict()
@@ -527,23 +530,48 @@ def head_from_tensors(config: EagleConfig, tensors: dict, target=None, where="")
     with torch.no_grad():
         for k, w in want.items():
             w.copy_(tensors[k].to(w.dtype))
-    if target is not None and not own_embedding:
-        head.bind_embedding(target.embed.weight)
+    if facts is not None and not own_embedding:
+        head.bind_embedding(facts.embedding(facts.dtype))
     return head.requires_grad_(False)
 
 
-def check_target(target) -> None:
-    """An EAGLE head drafts for specfast's own runtime only: it needs the target's hidden
-    states from the verify pass, which only that runtime returns."""
+@dataclass
+class EagleTarget:
+    """What an EAGLE head needs of its target: sizes, the token embedding it shares, and the
+    dtype and device the head runs in."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    dtype: torch.dtype
+    device: torch.device
+    embedding: Callable[[torch.dtype], torch.Tensor]  # (V, D) in that dtype
+
+
+def eagle_target(target) -> EagleTarget:
+    """A specfast Model, or a llama_cpp.Llama whose llama.cpp returns per-layer inputs (the
+    head then runs in torch at dtype "auto" on the CPU); the error says why any other is not."""
     from specfast.hf import is_hf_model
-    from specfast.llama_cpp import is_llama
+    from specfast.llama_cpp import check_layer_inputs, is_llama, llama_embedding
 
     if isinstance(target, Model):
-        return
+        c = target.config
+        return EagleTarget(
+            c.vocab_size, c.dim, c.n_layers, target.dtype, target.device,
+            lambda dtype: target.embed.weight,
+        )  # fmt: skip
     if is_llama(target):
-        raise ValueError(
-            "an EAGLE head needs the target's intermediate hidden states, and llama.cpp's API "
-            "does not expose them; load the model with specfast.load_model(path) instead"
+        import llama_cpp
+
+        check_layer_inputs(target)
+        model = target.model
+        return EagleTarget(
+            int(target.n_vocab()),
+            int(llama_cpp.llama_model_n_embd(model)),
+            int(llama_cpp.llama_model_n_layer(model)),
+            resolve_dtype("auto", "cpu"),
+            torch.device("cpu"),
+            lambda dtype: llama_embedding(target, dtype),
         )
     if is_hf_model(target):
         raise ValueError(
@@ -551,11 +579,14 @@ def check_target(target) -> None:
             "from the verify pass; the transformers adapter does not. Load the checkpoint folder "
             "with specfast.load_model(path)"
         )
-    raise TypeError(f"the EAGLE target must be a specfast Model, got {type(target).__name__}")
+    raise TypeError(
+        f"the EAGLE target must be a specfast Model or a llama_cpp.Llama, got "
+        f"{type(target).__name__}"
+    )
 
 
-def check_config_for_target(config: EagleConfig, target: Model) -> None:
-    c = target.config
+def check_config_for_target(config: EagleConfig, target: EagleTarget) -> None:
+    c = target
     if config.vocab_size != c.vocab_size:
         raise ValueError(
             f"the EAGLE head is for a vocabulary of {config.vocab_size} tokens; the target has "

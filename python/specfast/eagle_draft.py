@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from specfast import eagle
 from specfast.autok import AutoK
 from specfast.drafters import Proposal, Verified, _Base, _observe_model, clone_ngram, copy_auto
-from specfast.eagle import EagleHead, check_config_for_target, check_target, load_eagle
+from specfast.eagle import EagleHead, check_config_for_target, eagle_target, load_eagle
 from specfast.kv_cache import KVCache
-from specfast.model import Model
 from specfast.sampling import copy_generator, logits_to_probs
 
 
@@ -78,11 +77,11 @@ class EagleDraft(_Base):
 
     wants_features = True
 
-    def __init__(self, head: EagleHead, target: Model, fixed_k: int | None, max_length: int):
-        check_target(target)
-        check_config_for_target(head.config, target)
+    def __init__(self, head: EagleHead, target, fixed_k: int | None, max_length: int):
+        facts = eagle_target(target)
+        check_config_for_target(head.config, facts)
         if head.embed_tokens is None and head._shared_embed is None:
-            head.bind_embedding(target.embed.weight)
+            head.bind_embedding(facts.embedding(head.fc.weight.dtype))
         self.head = head
         self.feature_layers: tuple[int, ...] = tuple(head.aux_layers or ())
         self.fixed_k = fixed_k

@@ -5,8 +5,8 @@
 - `llama.cpp-lookup`: the same loop with its `LlamaPromptLookupDecoding` draft model (its
   defaults, max_ngram_size=2, num_pred_tokens=10), on a second Llama: a draft model forces
   logits_all.
-- `specfast-llama-plain`, `-ngram`, `-draft`: specfast.generate over the same Llama object
-  (drafter None, "ngram", a draft Llama).
+- `specfast-llama-plain`, `-ngram`, `-draft`, `-eagle`: specfast.generate over the same Llama
+  object (drafter None, "ngram", a draft Llama, an EAGLE-3 head reading llama.cpp's layer inputs).
 
 EOS never stops an engine: Llama.generate does not stop on EOS itself and specfast runs with
 eos_token_id=[]. Each engine records the time to its first token (prefill_seconds), so the
@@ -26,7 +26,9 @@ LLAMA_ENGINES = (
     "specfast-llama-ngram",
 )
 LLAMA_DRAFT_ENGINES = ("specfast-llama-draft",)  # added by --draft
-LLAMA_ALL = (*LLAMA_ENGINES, *LLAMA_DRAFT_ENGINES)
+# opt-in (--engines): an EAGLE-3 head (--eagle PATH, default the shipped one) over the Llama
+LLAMA_EAGLE_ENGINES = ("specfast-llama-eagle",)
+LLAMA_ALL = (*LLAMA_ENGINES, *LLAMA_DRAFT_ENGINES, *LLAMA_EAGLE_ENGINES)
 LOOKUP_TOKENS = 10  # LlamaPromptLookupDecoding's default num_pred_tokens
 # Big enough for the longest workload prompt plus its new tokens. The lookup engine's Llama
 # keeps an (n_ctx, V) float32 score array (400 MB for SmolLM2 at 2048), so not more than needed.
@@ -106,8 +108,16 @@ def llama_cpp_engine(llama: Any, *, max_new_tokens: int):
 
 
 def build_llama_engines(
-    wanted: list[str], llamas: dict[str, Any], *, k: int | str, max_new_tokens: int
+    wanted: list[str],
+    llamas: dict[str, Any],
+    *,
+    k: int | str,
+    max_new_tokens: int,
+    eagle: str | None = None,
 ) -> dict[str, Any]:
+    """The wanted llama.cpp engines over `llamas` (load_llamas); `eagle`: the head folder of
+    specfast-llama-eagle (None: the shipped one)."""
+    import specfast
     from specfast.bench import specfast_engine
 
     n = max_new_tokens
@@ -121,6 +131,9 @@ def build_llama_engines(
             engines[e] = specfast_engine(llamas["target"], drafter=None, k=k, max_new_tokens=n)
         elif e == "specfast-llama-ngram":
             engines[e] = specfast_engine(llamas["target"], drafter="ngram", k=k, max_new_tokens=n)
+        elif e == "specfast-llama-eagle":
+            head = specfast.load_eagle(eagle, llamas["target"])
+            engines[e] = specfast_engine(llamas["target"], drafter=head, k=k, max_new_tokens=n)
         elif e == "specfast-llama-draft":
             engines[e] = specfast_engine(
                 llamas["target"], drafter=llamas["draft"], k=k, max_new_tokens=n

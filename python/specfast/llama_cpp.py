@@ -28,7 +28,7 @@ import torch
 
 from specfast.hardware import proc_cpu_flags
 from specfast.kv_cache import check_rollback
-from specfast.model import check_ids
+from specfast.model import check_aux_layers, check_ids
 
 _CPU = torch.device("cpu")
 # What llama_decode's return codes mean (llama.h).
@@ -108,6 +108,7 @@ class LlamaDecoder:
         if self._memory is None:
             raise ValueError("this Llama's context has no memory (KV cache); specfast needs one")
         self._n_batch = int(llama.n_batch)
+        self.n_layers = int(llama_cpp.llama_model_n_layer(llama.model))
         self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
         self._finalizer = weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
         self._length = 0
@@ -132,22 +133,30 @@ class LlamaDecoder:
                 "(a target and its draft must be two Llama objects)"
             )
 
-    def forward_greedy(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward_greedy(self, ids: torch.Tensor, features=None):
         """ids (T,) -> (T,) argmax ids; appends T tokens. The argmax reads llama.cpp's own
-        logits buffer, so the (T, V) rows are never copied."""
-        return self._run(ids, False, greedy=True)
+        logits buffer, so the (T, V) rows are never copied. With `features`: (ids, features)."""
+        return self._run(ids, False, greedy=True, features=features)
 
-    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        return self._run(ids, last_only, greedy=False)
+    def forward(self, ids: torch.Tensor, last_only: bool = False, features=None):
+        """ids (T,) -> float32 logits (T, V), or (1, V) with last_only. `features` (target
+        layer ids, or True for default_aux_layers) -> (logits, features (T, n*D) float32): the
+        residual stream entering those layers at every row, as `specfast.model.Decoder`
+        returns it, for an EAGLE head (see layer_inputs)."""
+        return self._run(ids, last_only, greedy=False, features=features)
 
-    def _run(self, ids: torch.Tensor, last_only: bool, greedy: bool) -> torch.Tensor:
-        """Decodes ids in n_batch chunks -> float32 logits (rows, V), or argmax ids (rows,)."""
+    def _run(self, ids: torch.Tensor, last_only: bool, greedy: bool, features=None):
+        """Decodes ids in n_batch chunks -> float32 logits (rows, V), or argmax ids (rows,);
+        with features, also their (T, n*D) layer inputs."""
         check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length)
         self._check_owner()
+        layers = check_aux_layers(features, self.n_layers)
+        inputs = None if layers is None else LayerInputs(self.llama, layers)
         tokens = ids.tolist()
         T, start, V = len(tokens), self._length, self.vocab_size
         rows = 1 if last_only else T
         out = torch.empty(rows, dtype=torch.long) if greedy else torch.empty(rows, V)
+        feats = None if inputs is None else torch.empty(T, len(layers) * inputs.dim)
         row = 0
         try:
             for lo in range(0, T, self._n_batch):  # llama_decode takes at most n_batch tokens
@@ -162,12 +171,14 @@ class LlamaDecoder:
                     taken = logits.argmax(axis=1) if greedy else logits
                     out[row : row + n_out] = torch.from_numpy(taken)
                     row += n_out
+                if inputs is not None:
+                    inputs.read_into(feats[lo : lo + len(chunk)])
         except BaseException:
             # Leave the sequence as it was before this call, whatever part of it went in.
             self._lib.llama_memory_seq_rm(self._memory, 0, start, -1)
             self._length = start
             raise
-        return out
+        return out if feats is None else (out, feats)
 
     def _decode(self, chunk: list[int], pos: int, n_out: int) -> None:
         """One llama_decode of `chunk` at `pos`, with logits for its last n_out rows."""
@@ -199,6 +210,92 @@ class LlamaDecoder:
 
     def reset(self) -> None:
         self.rollback(0)
+
+
+# ----------------------------------------------------------------------------
+# the target's features for an EAGLE head
+#
+# The llama.cpp vendored by llama-cpp-python 0.3.36 copies the residual stream entering chosen
+# layers out of every llama_decode: llama_set_embeddings_layer_inp / llama_get_embeddings_layer_inp,
+# in its staging header src/llama-ext.h, written for its own EAGLE-3 driver. libllama exports them
+# only as C++ symbols and llama-cpp-python binds neither; their arguments are plain C types, so
+# ctypes calls them by their Itanium-mangled names.
+
+_SET_LAYER_INPUT = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"
+_GET_LAYER_INPUT = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"
+# Architectures whose graph records every layer's input in that llama.cpp (src/models/*.cpp that
+# set res->t_layer_inp for each layer). For any other, llama.cpp aborts the process (GGML_ABORT)
+# when asked, so specfast refuses first.
+LAYER_INPUT_ARCHS = ("llama", "qwen3", "qwen3moe")
+
+
+@functools.cache
+def _layer_input_calls():
+    """(set, get): the two C++ functions, typed; RuntimeError if this libllama lacks them."""
+    import ctypes
+
+    from llama_cpp import llama_cpp as low
+
+    try:
+        set_, get = getattr(low._lib, _SET_LAYER_INPUT), getattr(low._lib, _GET_LAYER_INPUT)
+    except AttributeError:
+        raise RuntimeError(
+            "this llama-cpp-python's libllama has no llama_get_embeddings_layer_inp, which an "
+            f"EAGLE head over llama.cpp needs; install {LLAMA_PIN}"
+        ) from None
+    set_.argtypes, set_.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
+    get.argtypes, get.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
+    return set_, get
+
+
+def check_layer_inputs(llama) -> None:
+    """ValueError unless llama.cpp can return this Llama's per-layer inputs (its architecture)."""
+    arch = llama.metadata.get("general.architecture")
+    if arch not in LAYER_INPUT_ARCHS:
+        raise ValueError(
+            f"llama.cpp returns the per-layer inputs an EAGLE head reads only for the "
+            f"architectures {', '.join(LAYER_INPUT_ARCHS)}; this GGUF is {arch!r}. Load it with "
+            "specfast.load_model(path) to draft with EAGLE on specfast's runtime"
+        )
+    _layer_input_calls()
+
+
+class LayerInputs:
+    """The inputs of `layers` that each llama_decode of `llama` copies out, read row by row.
+
+    Turning a layer on makes llama.cpp re-plan its graph, so the set in force is kept on the
+    Llama and changed only when another set is asked for."""
+
+    def __init__(self, llama, layers: tuple[int, ...]):
+        check_layer_inputs(llama)
+        self.layers, self.ctx = layers, llama.ctx
+        self.dim = int(_lib().llama_model_n_embd(llama.model))
+        set_, self._get = _layer_input_calls()
+        on = getattr(llama, "_specfast_layer_inputs", ())
+        if tuple(on) != layers:
+            for i in set(on) - set(layers):
+                set_(llama.ctx, i, False)
+            for i in layers:
+                set_(llama.ctx, i, True)
+            llama._specfast_layer_inputs = layers
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """out (rows, n*D) <- the last decode's first `rows` tokens' inputs, layer by layer."""
+        rows, D = out.shape[0], self.dim
+        for j, i in enumerate(self.layers):
+            got = np.ctypeslib.as_array(self._get(self.ctx, i), shape=(rows, D))
+            out[:, j * D : (j + 1) * D] = torch.from_numpy(got)  # a copy: the buffer is reused
+
+
+def llama_embedding(llama, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The Llama's token embedding (V, D) dequantized from its GGUF file, in `dtype` (cached
+    per dtype): what an EAGLE head without its own embed_tokens embeds its tokens with."""
+    cache = llama.__dict__.setdefault("_specfast_embedding", {})
+    if dtype not in cache:
+        from specfast.loading import gguf_tensor
+
+        cache[dtype] = gguf_tensor(llama.model_path, "token_embd.weight").to(dtype)
+    return cache[dtype]
 
 
 # ----------------------------------------------------------------------------

@@ -275,6 +275,27 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_tensor(path, name: str) -> torch.Tensor:
+    """One tensor of a GGUF file, dequantized to float32, in PyTorch's (out, in) layout."""
+    path = Path(path)
+    reader = _gguf_reader(path)
+    return torch.from_numpy(_dequantized({t.name: t for t in reader.tensors}, name, path))
+
+
+def _dequantized(tensors: dict, name: str, path: Path) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    t = tensors.get(name)
+    if t is None:
+        raise ValueError(f"{path}: tensor {name} missing from the GGUF file")
+    try:
+        w = dequantize(t.data, t.tensor_type)
+    except Exception as e:
+        raise ValueError(f"{path}: cannot dequantize {name}: {e}") from None
+    # a copy: the reader's arrays are read-only views of the memory-mapped file
+    return np.array(w.reshape([int(d) for d in reversed(t.shape)]), dtype=np.float32)
+
+
 def _load_gguf(path: Path, dtype: torch.dtype) -> Model:
     from gguf.quants import dequantize
 
@@ -333,15 +354,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Model:
     permuted = arch in ("llama", "mistral")
 
     def get(name):
-        t = tensors.get(name)
-        if t is None:
-            raise ValueError(f"{path}: tensor {name} missing from the GGUF file")
-        try:
-            w = dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise ValueError(f"{path}: cannot dequantize {name}: {e}") from None
-        # a copy: the reader's arrays are read-only views of the memory-mapped file
-        w = np.array(w.reshape([int(d) for d in reversed(t.shape)]), dtype=np.float32)
+        w = _dequantized(tensors, name, path)
         if permuted and ".attn_q." in name:
             w = _unpermute(w, n_heads)
         elif permuted and ".attn_k." in name:
