@@ -54,15 +54,15 @@ class Oracle:
         return self.truth[i : i + k]
 
 
-def pass_costs(llama, context: int) -> dict[int, float]:
+def pass_costs(llama, context: int, sizes=PASS_SIZES, repeats: int = 15) -> dict[int, float]:
     """n -> median seconds of one decode over n tokens after `context` tokens."""
     dec = LlamaDecoder(llama)
     gen = torch.Generator().manual_seed(0)
     dec.forward(torch.randint(100, llama.n_vocab() - 100, (context,), generator=gen), True)
     out = {}
-    for n in PASS_SIZES:
+    for n in sizes:
         times = []
-        for _ in range(15):
+        for _ in range(repeats):
             ids = torch.randint(100, llama.n_vocab() - 100, (n,), generator=gen)
             t0 = time.perf_counter()
             dec.forward_greedy(ids)

@@ -25,16 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
-import torch
+from llama_ceiling import pass_costs  # benches/, next to this script
 
 import specfast
 from specfast.drafters import make_drafter
 from specfast.hardware import cpu_flags_label
 from specfast.llama_bench import llama_cpp_engine, load_llamas
-from specfast.llama_cpp import LlamaDecoder
 from specfast.workloads import build_workloads
 
 MAX_PASS = 17
@@ -43,20 +41,7 @@ MAX_PASS = 17
 def measure(model: str, kind: str, prompts: int, tokens: int, context: int) -> dict:
     """The pass-cost table and llama.cpp plain's greedy output for each prompt."""
     llama = load_llamas(Path(model), ["llama.cpp-plain"], None, n_threads=2)["target"]
-    dec = LlamaDecoder(llama)
-    gen = torch.Generator().manual_seed(0)
-    dec.forward(torch.randint(100, llama.n_vocab() - 100, (context,), generator=gen), True)
-    costs = {}
-    for n in range(1, MAX_PASS + 1):
-        times = []
-        for _ in range(9):
-            ids = torch.randint(100, llama.n_vocab() - 100, (n,), generator=gen)
-            t0 = time.perf_counter()
-            dec.forward_greedy(ids)
-            times.append(time.perf_counter() - t0)
-            dec.rollback(context)
-        costs[n] = statistics.median(times)
-    dec.reset()
+    costs = pass_costs(llama, context, sizes=range(1, MAX_PASS + 1), repeats=9)
     template = llama.metadata.get("tokenizer.chat_template")
     plain = llama_cpp_engine(llama, max_new_tokens=tokens)
     runs = []

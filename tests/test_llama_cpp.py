@@ -116,6 +116,18 @@ def llama_greedy(llama, ids: list[int], n: int) -> list[int]:
     return out
 
 
+def same_up_to_near_ties(llama, ids: list[int], got: list[int], ref: list[int]) -> bool:
+    """True if got == ref; else asserts they part where llama.cpp's top-2 logits are within
+    NEAR_TIE of each other (DESIGN.md section 4), and returns False."""
+    if got == ref:
+        return True
+    i = next(i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b)
+    top2 = torch.topk(next_logits(llama, ids + ref[:i]), 2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < NEAR_TIE, f"diverged at {i} where llama.cpp's top-2 gap is {gap:.3f}"
+    return False
+
+
 @pytest.mark.smollm
 def test_greedy_equals_llama_cpp_own_loop_up_to_near_ties(smol):
     identical = 0
@@ -129,14 +141,7 @@ def test_greedy_equals_llama_cpp_own_loop_up_to_near_ties(smol):
             out = specfast.generate(
                 smol, ids, GREEDY_NEW, num_speculative_tokens=k, ignore_eos=True
             )
-            got = out.token_ids
-            if got == ref:
-                identical += 1
-                continue
-            i = next(i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b)
-            top2 = torch.topk(next_logits(smol, ids + ref[:i]), 2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < NEAR_TIE, f"diverged at {i} where llama.cpp's top-2 gap is {gap:.3f}"
+            identical += same_up_to_near_ties(smol, ids, out.token_ids, ref)
     print(f"identical to llama.cpp's own greedy loop: {identical}/{2 * len(prompts)}")
     assert identical >= 1
 
@@ -262,14 +267,19 @@ def memo():
     return {}
 
 
-@pytest.fixture(scope="module")
-def exact_joint(tiny, memo) -> dict[tuple[int, int, int], float]:
+def joint_of_3(next_probs, prompt: list[int]) -> dict[tuple[int, int, int], float]:
+    """The exact joint of the 3 tokens after `prompt`; next_probs(context) -> {token: p}."""
     joint = {}
-    for a, pa in top_k_next(tiny, PROMPT, memo).items():
-        for b, pb in top_k_next(tiny, [*PROMPT, a], memo).items():
-            for c, pc in top_k_next(tiny, [*PROMPT, a, b], memo).items():
+    for a, pa in next_probs(prompt).items():
+        for b, pb in next_probs([*prompt, a]).items():
+            for c, pc in next_probs([*prompt, a, b]).items():
                 joint[(a, b, c)] = pa * pb * pc
     return joint
+
+
+@pytest.fixture(scope="module")
+def exact_joint(tiny, memo) -> dict[tuple[int, int, int], float]:
+    return joint_of_3(lambda context: top_k_next(tiny, context, memo), PROMPT)
 
 
 class TopDrafter:

@@ -19,10 +19,11 @@ from test_eagle import fit_head  # noqa: E402
 from test_generate_distribution import ALPHA, N  # noqa: E402
 from test_llama_cpp import (  # noqa: E402
     GREEDY_NEW,
-    NEAR_TIE,
+    joint_of_3,
     new_llama,
     next_logits,
     pvalue,
+    same_up_to_near_ties,
     sharpened_gguf,
     smol_prompts,
 )
@@ -181,12 +182,7 @@ def top_k_next(llama, context, memo) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def exact_joint(tiny) -> dict[tuple[int, int, int], float]:
     memo: dict = {}
-    joint = {}
-    for a, pa in top_k_next(tiny, PROMPT, memo).items():
-        for b, pb in top_k_next(tiny, [*PROMPT, a], memo).items():
-            for c, pc in top_k_next(tiny, [*PROMPT, a, b], memo).items():
-                joint[(a, b, c)] = pa * pb * pc
-    return joint
+    return joint_of_3(lambda context: top_k_next(tiny, context, memo), PROMPT)
 
 
 def sample_joint(llama, head, n: int) -> dict[tuple[int, ...], int]:
@@ -267,14 +263,7 @@ def test_shipped_head_over_smollm2_gguf_is_greedy_up_to_near_ties(smol):
             smol, ids, GREEDY_NEW, drafter="eagle", num_speculative_tokens=3, ignore_eos=True
         )
         assert out.stats.draft_tokens > 0
-        if out.token_ids == ref:
-            identical += 1
-            continue
-        got = out.token_ids
-        i = next(i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b)
-        top2 = torch.topk(next_logits(smol, ids + ref[:i]), 2).values
-        gap = float(top2[0] - top2[1])
-        assert gap < NEAR_TIE, f"diverged at {i} where llama.cpp's top-2 gap is {gap:.3f}"
+        identical += same_up_to_near_ties(smol, ids, out.token_ids, ref)
     print(f"identical to the plain loop over llama.cpp: {identical}/{len(prompts)}")
     assert identical >= 1
 
