@@ -832,7 +832,9 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         "command": " ".join(["specfast", *argv]),
         "model": str(model_path),
         "draft": str(args.draft) if args.draft else None,
-        "eagle": str(getattr(args, "eagle", None) or "shipped") if sf_eagle is not None else None,
+        "eagle": str(getattr(args, "eagle", None) or "shipped")
+        if sf_eagle is not None or "specfast-llama-eagle" in engines
+        else None,
         "dtype": args.dtype,
         "dtype_requested": requested_dtype,
         "compile": args.compile,

@@ -502,6 +502,8 @@ def load_eagle(path=None, target=None, dtype=None) -> EagleHead:
     if dtype is not None or facts is not None:
         dtype = resolve_dtype(dtype) if dtype is not None else facts.dtype
         head = head.to(dtype=dtype)
+        if facts is not None and head.embed_tokens is None:
+            head.bind_embedding(facts.embedding(dtype))  # a Llama's, in the head's dtype
     return head.to(facts.device) if facts is not None else head
 
 
@@ -586,22 +588,21 @@ def eagle_target(target) -> EagleTarget:
 
 
 def check_config_for_target(config: EagleConfig, target: EagleTarget) -> None:
-    c = target
-    if config.vocab_size != c.vocab_size:
+    if config.vocab_size != target.vocab_size:
         raise ValueError(
             f"the EAGLE head is for a vocabulary of {config.vocab_size} tokens; the target has "
-            f"{c.vocab_size}"
+            f"{target.vocab_size}"
         )
-    if config.target_hidden_size != c.dim:
+    if config.target_hidden_size != target.dim:
         raise ValueError(
             f"the EAGLE head reads target features of hidden size {config.target_hidden_size}; "
-            f"the target's is {c.dim}"
+            f"the target's is {target.dim}"
         )
     if config.aux_layers is None:
-        config.aux_layers = default_aux_layers(c.n_layers)
-    bad = [i for i in config.aux_layers if not 0 <= i < c.n_layers]
+        config.aux_layers = default_aux_layers(target.n_layers)
+    bad = [i for i in config.aux_layers if not 0 <= i < target.n_layers]
     if bad:
         raise ValueError(
             f"the EAGLE head reads target layers {list(config.aux_layers)}; the target has "
-            f"{c.n_layers} layers (ids 0..{c.n_layers - 1})"
+            f"{target.n_layers} layers (ids 0..{target.n_layers - 1})"
         )

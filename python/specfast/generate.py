@@ -391,7 +391,7 @@ def _verify(decoder, ids, draft, q, pos, sampling, layers=None):
 
 def _forward(decoder, ids, layers, last_only=False):
     """decoder.forward -> (logits, features of `layers` or None). Only decoders that can give
-    features (specfast's Decoder) are asked for them; make_drafter checks that."""
+    features (specfast's Decoder, LlamaDecoder) are asked for them; make_drafter checks that."""
     if layers is None:
         return decoder.forward(ids, last_only=last_only), None
     return decoder.forward(ids, last_only=last_only, features=layers)

@@ -133,12 +133,27 @@ def build_llama_engines(
             engines[e] = specfast_engine(llamas["target"], drafter="ngram", k=k, max_new_tokens=n)
         elif e == "specfast-llama-eagle":
             head = specfast.load_eagle(eagle, llamas["target"])
-            engines[e] = specfast_engine(llamas["target"], drafter=head, k=k, max_new_tokens=n)
+            run = specfast_engine(llamas["target"], drafter=head, k=k, max_new_tokens=n)
+            engines[e] = _then_plain_graph(run, llamas["target"])
         elif e == "specfast-llama-draft":
             engines[e] = specfast_engine(
                 llamas["target"], drafter=llamas["draft"], k=k, max_new_tokens=n
             )
     return engines
+
+
+def _then_plain_graph(run, llama):
+    """`run`, after which the Llama's layer inputs are off again: the engines that share the
+    Llama (llama.cpp-plain's own loop among them) run llama.cpp's plain graph."""
+    from specfast.llama_cpp import LayerInputs
+
+    def wrapped(ids):
+        try:
+            return run(ids)
+        finally:
+            LayerInputs(llama, ())
+
+    return wrapped
 
 
 def llama_meta(llamas: dict[str, Any]) -> dict[str, Any]:

@@ -82,7 +82,9 @@ class LlamaDecoder:
     """One sequence (seq 0) over a Llama's context.
 
     forward(ids (T,)) -> float32 logits (T, V), or (1, V) with last_only, appending T tokens,
-    exactly as `specfast.model.Decoder`. rollback(n) removes the cache entries past n.
+    exactly as `specfast.model.Decoder`; forward_greedy -> argmax ids. With `features`, both
+    also return the inputs of those layers (LayerInputs). rollback(n) removes the cache entries
+    past n.
     """
 
     def __init__(self, llama, max_length: int | None = None):
@@ -109,6 +111,7 @@ class LlamaDecoder:
             raise ValueError("this Llama's context has no memory (KV cache); specfast needs one")
         self._n_batch = int(llama.n_batch)
         self.n_layers = int(llama_cpp.llama_model_n_layer(llama.model))
+        self._inputs: LayerInputs | None = None
         self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
         self._finalizer = weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
         self._length = 0
@@ -142,7 +145,7 @@ class LlamaDecoder:
         """ids (T,) -> float32 logits (T, V), or (1, V) with last_only. `features` (target
         layer ids, or True for default_aux_layers) -> (logits, features (T, n*D) float32): the
         residual stream entering those layers at every row, as `specfast.model.Decoder`
-        returns it, for an EAGLE head (see layer_inputs)."""
+        returns it, for an EAGLE head (see LayerInputs)."""
         return self._run(ids, last_only, greedy=False, features=features)
 
     def _run(self, ids: torch.Tensor, last_only: bool, greedy: bool, features=None):
@@ -151,7 +154,7 @@ class LlamaDecoder:
         check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length)
         self._check_owner()
         layers = check_aux_layers(features, self.n_layers)
-        inputs = None if layers is None else LayerInputs(self.llama, layers)
+        inputs = self._layer_inputs(layers)
         tokens = ids.tolist()
         T, start, V = len(tokens), self._length, self.vocab_size
         rows = 1 if last_only else T
@@ -179,6 +182,15 @@ class LlamaDecoder:
             self._length = start
             raise
         return out if feats is None else (out, feats)
+
+    def _layer_inputs(self, layers: tuple[int, ...] | None) -> LayerInputs | None:
+        """The reader of `layers`' inputs, made once per set; None also turns off a set an
+        earlier call turned on, so plain passes run llama.cpp's plain graph."""
+        if self._inputs is None or self._inputs.layers != layers:
+            if layers is None and not getattr(self.llama, "_specfast_layer_inputs", ()):
+                return None
+            self._inputs = LayerInputs(self.llama, layers or ())
+        return self._inputs if layers is not None else None
 
     def _decode(self, chunk: list[int], pos: int, n_out: int) -> None:
         """One llama_decode of `chunk` at `pos`, with logits for its last n_out rows."""
@@ -223,9 +235,11 @@ class LlamaDecoder:
 
 _SET_LAYER_INPUT = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"
 _GET_LAYER_INPUT = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"
-# Architectures whose graph records every layer's input in that llama.cpp (src/models/*.cpp that
-# set res->t_layer_inp for each layer). For any other, llama.cpp aborts the process (GGML_ABORT)
-# when asked, so specfast refuses first.
+# The architectures specfast lets llama.cpp return layer inputs for: those whose graph it has
+# checked records every layer's input in that llama.cpp (src/models/llama.cpp, qwen3.cpp and
+# qwen3moe.cpp set res->t_layer_inp in their layer loop; several others do too, unchecked). For
+# a graph that records none (qwen2's, say), llama.cpp aborts the process (GGML_ABORT) when
+# asked, so specfast refuses first.
 LAYER_INPUT_ARCHS = ("llama", "qwen3", "qwen3moe")
 
 
@@ -240,8 +254,9 @@ def _layer_input_calls():
         set_, get = getattr(low._lib, _SET_LAYER_INPUT), getattr(low._lib, _GET_LAYER_INPUT)
     except AttributeError:
         raise RuntimeError(
-            "this llama-cpp-python's libllama has no llama_get_embeddings_layer_inp, which an "
-            f"EAGLE head over llama.cpp needs; install {LLAMA_PIN}"
+            "this llama-cpp-python's libllama has no llama_get_embeddings_layer_inp (by its "
+            "Itanium C++ name, so a Linux or macOS build), which an EAGLE head over llama.cpp "
+            f"needs; install {LLAMA_PIN}"
         ) from None
     set_.argtypes, set_.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
     get.argtypes, get.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
@@ -253,34 +268,40 @@ def check_layer_inputs(llama) -> None:
     arch = llama.metadata.get("general.architecture")
     if arch not in LAYER_INPUT_ARCHS:
         raise ValueError(
-            f"llama.cpp returns the per-layer inputs an EAGLE head reads only for the "
-            f"architectures {', '.join(LAYER_INPUT_ARCHS)}; this GGUF is {arch!r}. Load it with "
+            f"specfast reads the per-layer inputs an EAGLE head needs from llama.cpp only for the "
+            f"architectures {', '.join(LAYER_INPUT_ARCHS)} (llama.cpp aborts the process for a "
+            f"graph that does not record them); this GGUF is {arch!r}. Load it with "
             "specfast.load_model(path) to draft with EAGLE on specfast's runtime"
         )
     _layer_input_calls()
 
 
 class LayerInputs:
-    """The inputs of `layers` that each llama_decode of `llama` copies out, read row by row.
+    """The inputs of `layers` that each llama_decode of `llama` copies out; an empty `layers`
+    turns every layer off again.
 
-    Turning a layer on makes llama.cpp re-plan its graph, so the set in force is kept on the
-    Llama and changed only when another set is asked for."""
+    Turning a layer on or off makes llama.cpp re-plan its graph, so the set in force is kept on
+    the Llama and changed only when another set is asked for. The Llama's own loop
+    (Llama.generate) runs with whatever set specfast's last call left on."""
 
     def __init__(self, llama, layers: tuple[int, ...]):
-        check_layer_inputs(llama)
+        if layers:
+            check_layer_inputs(llama)
         self.layers, self.ctx = layers, llama.ctx
         self.dim = int(_lib().llama_model_n_embd(llama.model))
-        set_, self._get = _layer_input_calls()
         on = getattr(llama, "_specfast_layer_inputs", ())
         if tuple(on) != layers:
+            set_, _ = _layer_input_calls()
             for i in set(on) - set(layers):
                 set_(llama.ctx, i, False)
             for i in layers:
                 set_(llama.ctx, i, True)
             llama._specfast_layer_inputs = layers
+        self._get = _layer_input_calls()[1] if layers else None
 
     def read_into(self, out: torch.Tensor) -> None:
-        """out (rows, n*D) <- the last decode's first `rows` tokens' inputs, layer by layer."""
+        """out (rows, n*D) <- the last decode's first `rows` tokens' inputs, one block per
+        layer."""
         rows, D = out.shape[0], self.dim
         for j, i in enumerate(self.layers):
             got = np.ctypeslib.as_array(self._get(self.ctx, i), shape=(rows, D))
@@ -288,8 +309,10 @@ class LayerInputs:
 
 
 def llama_embedding(llama, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The Llama's token embedding (V, D) dequantized from its GGUF file, in `dtype` (cached
-    per dtype): what an EAGLE head without its own embed_tokens embeds its tokens with."""
+    """The Llama's token embedding (V, D) dequantized from its GGUF file, in `dtype`: what an
+    EAGLE head without its own embed_tokens embeds its tokens with. Cached on the Llama per
+    dtype for its lifetime (SmolLM2's: 113 MB in float32); dequantizing takes a float32 copy
+    of the whole matrix, a few GB for a 150k-token vocabulary at 4096 wide."""
     cache = llama.__dict__.setdefault("_specfast_embedding", {})
     if dtype not in cache:
         from specfast.loading import gguf_tensor
