@@ -158,6 +158,20 @@ def test_negative_control_features_of_the_wrong_rows_are_caught(tiny, plain, hea
     assert out.stats.mean_acceptance_length < ACCEPTANCE[4]
 
 
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_eagle_plus_ngram_over_llama_is_plain_greedy(tiny, plain, head, k):
+    """CombinedDrafter(head): the n-gram where the context repeats, the head elsewhere; the
+    head's features catch up after n-gram rounds."""
+    drafter = specfast.CombinedDrafter(head)
+    out = specfast.generate(
+        tiny, PROMPT, NEW, drafter=drafter, num_speculative_tokens=k, ignore_eos=True
+    )
+    assert out.token_ids == plain
+    assert out.stats.draft_tokens > 0
+    if k != "auto":  # auto k weighs measured times
+        assert out.stats.mean_acceptance_length > ACCEPTANCE[k]
+
+
 def test_session_turns_with_an_eagle_head_over_llama_equal_generate(tiny, head):
     s = specfast.Session(tiny, drafter=head, num_speculative_tokens=4)
     first = s.send(PROMPT[:12], max_new_tokens=16, ignore_eos=True)
