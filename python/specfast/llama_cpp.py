@@ -184,13 +184,12 @@ class LlamaDecoder:
         return out if feats is None else (out, feats)
 
     def _layer_inputs(self, layers: tuple[int, ...] | None) -> LayerInputs | None:
-        """The reader of `layers`' inputs, made once per set; None also turns off a set an
-        earlier call turned on, so plain passes run llama.cpp's plain graph."""
-        if self._inputs is None or self._inputs.layers != layers:
-            if layers is None and not getattr(self.llama, "_specfast_layer_inputs", ()):
-                return None
-            self._inputs = LayerInputs(self.llama, layers or ())
-        return self._inputs if layers is not None else None
+        """The reader of `layers`' inputs, made once per set; None (the empty set) also turns
+        off a set an earlier call turned on, so plain passes run llama.cpp's plain graph."""
+        wanted = layers or ()
+        if self._inputs is None or self._inputs.layers != wanted:
+            self._inputs = LayerInputs(self.llama, wanted)
+        return self._inputs if wanted else None
 
     def _decode(self, chunk: list[int], pos: int, n_out: int) -> None:
         """One llama_decode of `chunk` at `pos`, with logits for its last n_out rows."""
