@@ -59,6 +59,11 @@ def accepted(draft: list[int], truth: list[int]) -> int:
     return n
 
 
+class ReplayTarget:
+    """Stands for the target in AutoK's per-target tables (weakly keyed: a bare object() is
+    not weakly referenceable, so every call would start fresh)."""
+
+
 def replay_auto(runs: list[dict], costs: dict[int, float], key: object) -> list[float]:
     """Speedup per run of drafter="ngram" with auto k; `key` stands for the target. The runs are
     replayed twice and the second pass is reported: the first measures pass costs and leaves
@@ -161,7 +166,7 @@ def main() -> None:
     runs = data["runs"]
     print(f"{data['model']}  ({data['cpu_flags']}), {args.kind}, {len(runs)} prompts")
     print("t(n)/t(1): " + " ".join(f"{n}:{costs[n] / costs[1]:.2f}" for n in costs))
-    rows = {"auto k (n-gram)": replay_auto(runs, costs, object())}
+    rows = {"auto k (n-gram)": replay_auto(runs, costs, ReplayTarget())}
     rows["llama.cpp lookup (k=10)"] = replay_fixed(runs, costs, lambda s, _t: lookup(s))
     for k in (4, 8, 10, 16):
         rows[f"n-gram k={k}"] = replay_fixed(runs, costs, ngram_fixed(k))
