@@ -138,12 +138,62 @@ def test_plain_steps_are_priced_at_their_measured_cost():
 class LinearFit(AutoK):
     """The known-wrong estimate: one least-squares line through every measured length."""
 
-    def pass_seconds(self, n: int) -> float:
+    def pass_seconds(self, n: int, explore: bool = False) -> float:
         means = {m: t / w for m, (w, t) in self._sums.items() if w > 0}
         mx, my = sum(means) / len(means), sum(means.values()) / len(means)
         var = sum((x - mx) ** 2 for x in means)
         slope = sum((x - mx) * (means[x] - my) for x in means) / var
         return my + slope * (n - mx)
+
+
+def copy_rounds(auto: AutoK, t16: float, rounds: int) -> list[int]:
+    """Rounds on a 32-token match where every draft is accepted; returns the k chosen. Pass
+    cost is a step per row up to 8 rows (compute-bound), well measured; 12 rows cost 12 and 16
+    rows cost t16, never tried before (a block kernel can make 16 rows cheap: llama.cpp's Q4_K)."""
+    costs = {n: float(n) for n in (1, 2, 3, 4, 6, 8, 12)} | {16: t16}
+    for n in (1, 2, 3, 4, 6, 8):
+        for _ in range(3):
+            auto.observe(n - 1, n - 1, costs[n], 0.0, 32 if n > 1 else 0)
+    ks = []
+    for _ in range(rounds):
+        k = auto.choose(32)
+        auto.observe(k, k, costs[k + 1], 0.0, 32)
+        ks.append(k)
+    return ks
+
+
+def test_an_untried_pass_length_is_tried_before_the_line_writes_it_off():
+    """A length never timed is priced no dearer than the longest timed shorter one, so the dip
+    at 17 rows is found and kept; a length that proves dear is dropped once measured."""
+    ks = copy_rounds(AutoK(), t16=9.0, rounds=20)
+    assert ks[-10:] == [15] * 10  # found, measured, kept
+    dear = copy_rounds(AutoK(), t16=24.0, rounds=20)
+    assert 1 <= dear.count(15) <= 3 and 15 not in dear[-10:]  # tried, measured, dropped
+    assert 15 not in copy_rounds(LineOnly(), t16=9.0, rounds=20)  # negative control
+
+
+def test_a_bucket_explores_only_once_its_drafts_have_been_accepted(monkeypatch):
+    """On its prior alone a bucket drafts at the measured lengths: in open text the prior of a
+    long match is too hopeful, and the tries cost a few percent of a fresh call."""
+
+    def first_k() -> int:
+        auto = AutoK()
+        for n in (1, 2, 4, 8):  # a pass costs half a step per extra row, well measured
+            for _ in range(3):
+                auto.observe(n - 1, 0, 1 + 0.5 * (n - 1), 0.0, 0 if n == 1 else 1)
+        return auto.choose(32)
+
+    assert 0 < first_k() < 15  # drafting pays on the prior, at a measured length; 15 untried
+    monkeypatch.setattr("specfast.autok.EXPLORE_AFTER", 0.0)
+    assert first_k() == 15  # negative control: exploring on the prior
+
+
+class LineOnly(AutoK):
+    """The known-wrong pricing: a length never timed costs what the line says, so it is never
+    tried."""
+
+    def pass_seconds(self, n: int, explore: bool = False) -> float:
+        return super().pass_seconds(n)
 
 
 def test_ngram_rates_carry_over_between_calls_on_one_target():

@@ -29,7 +29,9 @@ Pass cost: the mean time measured at a pass length where that length was timed o
 (always for t(1), the plain step), else a line through the means of every measured length. On
 llama.cpp the cost is concave at the start (12, 19, 23 ms at n = 1, 2, 3), so the line alone puts
 t(1) a sixth too high and t(2) too low: plain decoding looks slower than it is, and weak drafts
-look worth it.
+look worth it. The n-gram prices a length longer than any timed one no dearer than the longest
+timed one, so it gets tried: llama.cpp's curve has dips the line cannot see (16 rows cheaper
+than 13), and a length the line overprices would never be timed.
 
 A draft model's acceptance is anything but uniform: it copies a function it has seen with
 near-certainty and guesses at the next idea. So a round's length is not fixed in advance. The
@@ -45,7 +47,14 @@ import bisect
 import copy
 import weakref
 
-CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16)
+# k such that a pass over k + 1 rows is 1, 2, 3, 4, 6, 8, 12 or 16: powers of two and their
+# midpoints. llama.cpp's CPU kernels take rows in blocks (Q4_K on a Zen 4 and on a Xeon: 16 rows
+# cost less than 13-15), and compiled steps pad a pass to a power of two (steps.BUCKETS), so 17
+# rows cost as much as 32 there. Replayed over SmolLM2 Q4_1 and Qwen2.5-Coder Q4_K_M on a Zen 4
+# (benches/llama_replay.py, 2026-12-01, 7 prompt sets), these with untried lengths explored
+# (pass_seconds) gave code editing 5 % (a fresh process) to 7 % (later calls) over
+# (0, 1, 2, 3, 4, 6, 8, 10, 12, 16) with the line alone; other text within 0.4 %.
+CANDIDATES = (0, 1, 2, 3, 5, 7, 11, 15)
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of match length
 # Lower edges of the draft model's probability for its token; the last buckets are narrow
 # because copying runs live there, where 0.99 and 0.999 mean very different run lengths.
@@ -57,6 +66,9 @@ REARM_K = 8  # a draft at least this long, accepted whole, re-arms backed-off bu
 # over SmolLM2 and Qwen2.5-Coder on llama.cpp (benches/llama_replay.py), probing 1-2 token
 # matches never paid: it cost open questions 3.5 % and quoting 4 %, and gained code edits nothing.
 PROBE_MIN_MATCH = 3
+# A bucket explores untried pass lengths (pass_seconds) once its drafts have had this many tokens
+# accepted (decayed): on a prior alone, open text paid for the tries and got nothing back.
+EXPLORE_AFTER = 4.0
 # A pass length timed this often recently (decayed count) is priced at its own mean, not the line.
 WELL_MEASURED = 2.0
 
@@ -183,15 +195,24 @@ class AutoK:
         w_t[1] = 0.8 * w_t[1] + seconds
         self._fit = None
 
-    def pass_seconds(self, n: int) -> float:
+    def pass_seconds(self, n: int, explore: bool = False) -> float:
         """Estimated target pass time over n tokens: its measured mean where well measured, else
-        a line through every measured length; a weak, nearly flat prior before any."""
+        a line through every measured length; a weak, nearly flat prior before any.
+
+        explore=True prices a length longer than every well-measured one optimistically: no
+        dearer than the longest of them. llama.cpp's cost curve has dips (Q4_K on a CPU: 16 rows
+        cost less than 13) that the line cannot see, and a length the line overprices is never
+        tried, so it never gets measured. It is tried only where its drafts would pay even at
+        that price, and three tries measure it; lengths between measured ones keep the line."""
         if self._fit is None:
             self._fit = self._fit_pass_cost()
         measured, intercept, slope, floor = self._fit
         if n in measured:
             return measured[n]
-        return max(intercept + slope * n, floor)
+        line = max(intercept + slope * n, floor)
+        if explore and measured and n > max(measured):
+            return min(line, measured[max(measured)])
+        return line
 
     def _fit_pass_cost(self) -> tuple[dict[int, float], float, float, float]:
         """(the well-measured means, intercept, slope, floor), refitted once per observation,
@@ -212,13 +233,15 @@ class AutoK:
 
     def _best(self, match_length: int | None) -> tuple[int, float]:
         """The best k for this evidence and its expected tokens per second (k = 0: plain)."""
-        a = min(self._rate(match_bucket(match_length)).value, 0.999)
+        r = self._rate(match_bucket(match_length))
+        a = min(r.value, 0.999)
         step = self.draft_step_seconds if match_length is None else 0.0  # n-gram: microseconds
+        explore = match_length is not None and r.accepts >= EXPLORE_AFTER
         best_k, best_rate = 0, 1.0 / self.pass_seconds(1)
         for k in CANDIDATES[1:]:
             if k > self.max_k:
                 break
-            cost = self.pass_seconds(k + 1) + k * step
+            cost = self.pass_seconds(k + 1, explore) + k * step
             rate = (1 - a ** (k + 1)) / (1 - a) / cost
             if rate > best_rate * 1.001:
                 best_k, best_rate = k, rate
