@@ -9,6 +9,7 @@ what -march=native emits, plus the build's CMake arguments.
     python3 scripts/llama_wheel.py status WHEEL       # same | different | absent (installed)
     python3 scripts/llama_wheel.py find               # pip's cached wheel that is installed
     python3 scripts/llama_wheel.py check              # fits | other-cpu (installed build)
+    python3 scripts/llama_wheel.py has-amx            # exit status 0 when the CPU has AMX-INT8
 
 Only `check` imports specfast (and torch); the rest is the standard library, so the install's
 no-op path stays fast.
@@ -96,6 +97,8 @@ def main(argv: list[str]) -> int:
         record = installed_record()
         found = [w for w in out if w.endswith(".whl") and wheel_status(Path(w), record) == "same"]
         print(found[0] if found else "")
+    elif cmd == "has-amx":
+        return 0 if {"amx_tile", "amx_int8"} <= (cpu_flags() or set()) else 1
     elif cmd == "check":
         from specfast.llama_cpp import check_llama_build
 

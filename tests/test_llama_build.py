@@ -8,6 +8,9 @@ scripts/llama_wheel.py keys install.sh's wheel cache by the CPU.
 from __future__ import annotations
 
 import importlib.util
+import signal
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -123,6 +126,39 @@ def test_child_killed_by_sigill_is_a_runtime_error(monkeypatch):
     lc.check_llama_build(cpu_flags=AVX512_CPU)
 
 
+def test_an_amx_pass_that_crashes_names_the_compiler_fix(monkeypatch):
+    # The report printed, then the child died: the AMX kernels, not the instruction sets.
+    pytest.importorskip("llama_cpp")
+    kill = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+    amx_report = "CPU : AVX2 = 1 | AMX_INT8 = 1 | "
+    monkeypatch.setattr(lc, "_PROBE", f"import sys; print({amx_report!r}, flush=True); {kill}")
+    with pytest.raises(RuntimeError, match=r"AMX kernels killed.*SIGILL.*-fno-dse"):
+        lc.llama_system_info()
+    # Control: a crash before any report is a build for another CPU, not the AMX fix.
+    monkeypatch.setattr(lc, "_PROBE", kill)
+    with pytest.raises(RuntimeError, match="built for another CPU") as e:
+        lc.llama_system_info()
+    assert "-fno-dse" not in str(e.value)
+
+
+def test_the_probe_runs_a_batched_pass_only_on_amx_builds(tmp_path):
+    # _PROBE's own logic, with a stand-in llama_cpp module that records what the child ran.
+    fake = tmp_path / "llama_cpp.py"
+    for report, passes in (("CPU : AVX2 = 1 | AMX_INT8 = 1 | ", 1), ("CPU : AVX2 = 1 | ", 0)):
+        fake.write_text(
+            f"def llama_print_system_info(): return {report.encode()!r}\n"
+            "class Llama:\n"
+            "    def __init__(self, path, **kw): print('LOAD', path)\n"
+            "    def eval(self, ids): print('EVAL', len(ids))\n"
+        )
+        code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); {lc._PROBE}"
+        out = subprocess.run(
+            [sys.executable, "-c", code, "m.gguf"], capture_output=True, text=True, check=True
+        ).stdout
+        assert out.startswith(report)
+        assert out.count("LOAD m.gguf") == passes and out.count("EVAL 40") == passes
+
+
 def test_child_that_fails_otherwise_warns_and_skips(monkeypatch):
     pytest.importorskip("llama_cpp")
     monkeypatch.setattr(lc, "_PROBE", "raise SystemExit('no report here')")
@@ -206,3 +242,44 @@ def test_wheel_status_compares_the_libraries(tmp_path):
     assert w.wheel_status(wheel, record + "../../bin/x,sha256=c,1\n") == "same"
     assert w.wheel_status(wheel, record.replace("aaa", "zzz")) == "different"
     assert w.wheel_status(wheel, None) == "absent"
+
+
+# ----------------------------------------------------------------------------
+# llama.cpp's AMX kernels beside torch's (rust/tiles.rs, tile_restorer)
+
+MIXED = """
+import sys, torch, llama_cpp
+import specfast, specfast.llama_cpp as lc
+if sys.argv[2] == "control":  # the decoder then never restores ggml's tile configuration
+    lc.tile_restorer = lambda: None
+llama = llama_cpp.Llama(sys.argv[1], n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False)
+a, b = torch.randn(64, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)
+for _ in range(3):
+    (a @ b).sum()  # oneDNN's AMX kernel configures the tiles, then releases them
+    specfast.generate(llama, list(range(100, 140)), 8, num_speculative_tokens=4, ignore_eos=True)
+print("ok")
+"""
+
+
+def test_llama_cpp_amx_passes_survive_torch_bf16_matmuls(smollm_gguf):
+    # In a child: the known-wrong version dies with SIGILL, which would take pytest with it.
+    pytest.importorskip("llama_cpp")
+    if lc.tile_restorer() is None:
+        pytest.skip("this llama.cpp build has no AMX kernels (or this CPU has no AMX)")
+
+    def run(mode: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-c", MIXED, str(smollm_gguf), mode]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    fixed = run("restore")
+    assert fixed.returncode == 0 and fixed.stdout.strip() == "ok", fixed.stderr[-2000:]
+    control = run("control")
+    assert control.returncode == -signal.SIGILL, (control.returncode, control.stderr[-500:])
+
+
+def test_tile_restorer_is_cheap_and_idempotent():
+    restore = lc.tile_restorer()
+    if restore is None:
+        pytest.skip("this llama.cpp build has no AMX kernels (or this CPU has no AMX)")
+    for n in (1, 2, 4):
+        restore(n)  # a wrong configuration would fault (#GP) here

@@ -13,6 +13,8 @@ __all__ = [
     "accept_greedy",
     "accept_sampled",
     "accept_sampled_with_uniforms",
+    "amx_usable",
+    "ggml_tile_restorer",
     "rule_tables",
     "uniforms",
 ]
@@ -35,6 +37,11 @@ def uniforms(seed: int, k: int) -> tuple[list[float], list[float]]: ...
 def rule_tables(
     target_probs: Any, draft: Sequence[int], draft_probs: Any | None = None
 ) -> tuple[list[float], npt.NDArray[np.float64]]: ...
+
+# ---- llama.cpp's AMX tiles (rust/tiles.rs) -----------------------------------------------------
+
+def amx_usable() -> bool: ...
+def ggml_tile_restorer() -> int: ...
 
 # ---- drafter -----------------------------------------------------------------------------------
 

@@ -74,12 +74,16 @@ def load_llamas(
 def llama_cpp_engine(llama: Any, *, max_new_tokens: int):
     """Llama.generate, greedy, as an engine; counts its target passes (llama.eval calls)."""
     from specfast.bench import EngineOutput
+    from specfast.llama_cpp import llama_threads, tile_restorer
 
     passes = [0]
     real_eval = llama.eval
+    restore_tiles, threads = tile_restorer(), llama_threads(llama)
 
     def counting_eval(tokens):
         passes[0] += 1
+        if restore_tiles is not None:  # as specfast's loop does: the torch engines ran between
+            restore_tiles(threads)
         return real_eval(tokens)
 
     llama.eval = counting_eval  # Llama.generate calls self.eval once per pass

@@ -12,6 +12,7 @@ of trusting a cache that specfast has changed.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import platform
@@ -21,11 +22,13 @@ import subprocess
 import sys
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specfast import _core
 from specfast.hardware import proc_cpu_flags
 from specfast.kv_cache import check_rollback
 from specfast.model import check_aux_layers, check_ids
@@ -114,6 +117,8 @@ class LlamaDecoder:
         self._inputs: LayerInputs | None = None
         self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
         self._finalizer = weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
+        self._restore_tiles = tile_restorer()
+        self._threads = llama_threads(llama)
         self._length = 0
         # Take the context over: whatever the Llama (or an earlier decoder) left goes.
         llama_cpp.llama_memory_clear(self._memory, False)
@@ -202,6 +207,8 @@ class LlamaDecoder:
             b.seq_id[i][0] = 0
             b.logits[i] = i >= first_out
         b.n_tokens = len(chunk)
+        if self._restore_tiles is not None:
+            self._restore_tiles(self._threads)
         rc = self._lib.llama_decode(self._ctx, b)
         if rc != 0:
             why = _DECODE_ERRORS.get(rc, "fatal error")
@@ -405,7 +412,24 @@ BUILD_FLAGS = {
 # the -march=native AVX-512 build of 2026-11-30, llama_print_system_info() executed 32 zmm loads
 # and stores inside ggml_cpu_init (benches/llama_isa_trace.py, under gdb), so on an AVX2-only CPU
 # the report itself dies with SIGILL. `import llama_cpp` alone executed none.
-_PROBE = "import sys, llama_cpp; sys.stdout.write(llama_cpp.llama_print_system_info().decode())"
+#
+# An AMX build can report the right instruction sets and still die: GCC 12 drops the stores that
+# fill llama.cpp's AMX tile configuration unless built with -fno-dse (scripts/install.sh adds it),
+# and its first batched pass (tile instructions; one-token passes use AVX512-VNNI) is SIGILL. So
+# when the report names AMX_INT8, the child also runs one 40-token pass over the GGUF given as its
+# argument (the default SmolLM2, about 0.3 s), when there is one.
+_PROBE = """import sys, llama_cpp
+info = llama_cpp.llama_print_system_info().decode()
+sys.stdout.write(info)
+sys.stdout.flush()
+if "AMX_INT8 = 1" in info and len(sys.argv) > 1:
+    llama_cpp.Llama(sys.argv[1], n_ctx=64, n_threads=1, verbose=False).eval(list(range(100, 140)))
+"""
+_AMX_FIX = (
+    "reinstall llama-cpp-python: `bash scripts/install.sh` in a specfast checkout, or "
+    '`CMAKE_ARGS="-DCMAKE_C_FLAGS=-fno-dse -DCMAKE_CXX_FLAGS=-fno-dse" '
+    f"pip install --no-cache-dir --force-reinstall {LLAMA_PIN}`"
+)
 
 
 def read_cpu_flags() -> frozenset[str] | None:
@@ -423,7 +447,8 @@ def build_instructions(system_info: str) -> list[str]:
 def llama_system_info() -> str | None:
     """llama_print_system_info() of the installed llama_cpp, read in a child process.
 
-    None when llama_cpp is not installed or the child failed without crashing (with a warning).
+    For a build with AMX the child also runs one batched pass (see _PROBE). None when llama_cpp
+    is not installed or the child failed without crashing (with a warning).
     Raises RuntimeError when the child was killed by a signal: the build crashed on this CPU.
     """
     spec = importlib.util.find_spec("llama_cpp")
@@ -432,9 +457,15 @@ def llama_system_info() -> str | None:
     # The child imports the very package this process would, wherever it came from.
     where = str(Path(spec.origin).parent.parent)
     code = f"import sys; sys.path.insert(0, {where!r}); {_PROBE}"
+    from specfast.loading import default_model_path
+
+    try:
+        gguf = [str(default_model_path())]
+    except FileNotFoundError:
+        gguf = []
     try:
         run = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", code, *gguf], capture_output=True, text=True, timeout=120
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         warnings.warn(
@@ -446,6 +477,13 @@ def llama_system_info() -> str | None:
             name = signal.Signals(-run.returncode).name
         except ValueError:
             name = f"signal {-run.returncode}"
+        if "AMX_INT8 = 1" in run.stdout:  # the report was read: the AMX pass crashed
+            raise RuntimeError(
+                f"llama-cpp-python at {Path(spec.origin).parent}: its AMX kernels killed a child "
+                f"process with {name} on a 40-token pass over {gguf[0]}, and a batched pass "
+                "would crash this process the same way (GCC 12 drops their tile configuration "
+                f"unless llama.cpp is built with -fno-dse); {_AMX_FIX}"
+            )
         raise RuntimeError(
             f"llama-cpp-python at {Path(spec.origin).parent} was built for another CPU: "
             f"reading its build report killed a child process with {name} (an instruction this "
@@ -488,16 +526,49 @@ def check_llama_build(
         raise RuntimeError(problem)
 
 
-@functools.cache
 def _this_build_problem() -> str | None:
+    return _this_build()[1]
+
+
+@functools.cache
+def _this_build() -> tuple[str | None, str | None]:
+    """(the installed llama_cpp's build report, the problem with it on this CPU), read once."""
     flags = read_cpu_flags()
     if flags is None:
-        return None
+        return None, None
     try:
         info = llama_system_info()
     except RuntimeError as e:
-        return str(e)
-    return None if info is None else _build_problem(info, flags)
+        return None, str(e)
+    return info, None if info is None else _build_problem(info, flags)
+
+
+@functools.cache
+def tile_restorer() -> Callable[[int], None] | None:
+    """restore(n_threads), which reloads ggml's AMX tile configuration on this thread and on the
+    OpenMP threads of a team of n_threads; None for a llama.cpp built without AMX kernels.
+
+    ggml loads the configuration once per thread; torch's oneDNN releases the tiles after each
+    bf16 matrix product, on the same OpenMP threads (rust/tiles.rs). Without this, a llama_decode
+    after a torch bf16 matmul in the same process dies with SIGILL. Costs microseconds a call.
+    """
+    info = _this_build()[0]
+    if info is None or "AMX_INT8 = 1" not in info or not _core.amx_usable():
+        return None
+    restore = ctypes.c_void_p(_core.ggml_tile_restorer())
+    if "OPENMP = 1" not in info:  # ggml's own thread pool: only the calling thread is shared
+        on_this_thread = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(restore.value)
+        return lambda n_threads: on_this_thread(None)
+    # The libgomp that libggml-cpu and torch share: the first libgomp.so.1 loaded.
+    gomp_parallel = ctypes.CDLL("libgomp.so.1").GOMP_parallel
+    gomp_parallel.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)
+    gomp_parallel.restype = None
+    return lambda n_threads: gomp_parallel(restore, None, max(1, n_threads), 0)
+
+
+def llama_threads(llama) -> int:
+    """The most threads a llama_decode of this Llama runs on."""
+    return max(int(llama.n_threads), int(llama.n_threads_batch))
 
 
 def _build_problem(system_info: str, flags: set[str] | frozenset[str]) -> str | None:

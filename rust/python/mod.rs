@@ -25,9 +25,24 @@ impl From<Error> for PyErr {
     }
 }
 
+/// True when the CPU has AMX and the OS has enabled its tile state.
+#[pyfunction]
+fn amx_usable() -> bool {
+    crate::tiles::amx_usable()
+}
+
+/// The address of `void restore_ggml_tiles(void *)`, which reloads llama.cpp's AMX tile
+/// configuration on the calling thread (a no-op without AMX), for libgomp's GOMP_parallel.
+#[pyfunction]
+fn ggml_tile_restorer() -> usize {
+    crate::tiles::restore_ggml_tiles as *const () as usize
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     drafter::register(m)?;
     accept::register(m)?;
+    m.add_function(wrap_pyfunction!(amx_usable, m)?)?;
+    m.add_function(wrap_pyfunction!(ggml_tile_restorer, m)?)?;
     Ok(())
 }
