@@ -8,7 +8,7 @@ what -march=native emits, plus the build's CMake arguments.
     python3 scripts/llama_wheel.py key [CMAKE_ARGS]   # prints the key ('' off Linux x86-64)
     python3 scripts/llama_wheel.py status WHEEL       # same | different | absent (installed)
     python3 scripts/llama_wheel.py find               # pip's cached wheel that is installed
-    python3 scripts/llama_wheel.py check              # fits | other-cpu (installed build)
+    python3 scripts/llama_wheel.py check              # fits | other-cpu | unchecked (installed build)
     python3 scripts/llama_wheel.py has-amx            # exit status 0 when the CPU has AMX-INT8
 
 Only `check` imports specfast (and torch); the rest is the standard library, so the install's
@@ -22,6 +22,7 @@ import importlib.metadata
 import platform
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -102,12 +103,18 @@ def main(argv: list[str]) -> int:
     elif cmd == "check":
         from specfast.llama_cpp import check_llama_build
 
-        try:
-            check_llama_build()
-            print("fits")
-        except RuntimeError as e:
-            print(e, file=sys.stderr)
-            print("other-cpu")
+        # A report that could not be read (llama_cpp not importable, say) is no pass.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            try:
+                check_llama_build()
+                print("fits")
+            except RuntimeWarning as e:
+                print(e, file=sys.stderr)
+                print("unchecked")
+            except RuntimeError as e:
+                print(e, file=sys.stderr)
+                print("other-cpu")
     else:
         print(__doc__, file=sys.stderr)
         return 2

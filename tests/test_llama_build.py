@@ -8,6 +8,7 @@ scripts/llama_wheel.py keys install.sh's wheel cache by the CPU.
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -243,6 +244,27 @@ def test_wheel_status_compares_the_libraries(tmp_path):
     assert w.wheel_status(wheel, record.replace("aaa", "zzz")) == "different"
     assert w.wheel_status(wheel, None) == "absent"
 
+
+
+def test_check_of_an_unimportable_build_is_no_pass(tmp_path):
+    """install.sh keeps a wheel only when `check` prints "fits". A llama_cpp whose import fails
+    (a --no-deps install without diskcache, as a new machine had) is "unchecked", not a pass."""
+    pytest.importorskip("llama_cpp")
+    # The check's child puts site-packages first on its path, so a stand-in module would be
+    # shadowed; sitecustomize (found on PYTHONPATH at startup) blocks the import instead.
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['diskcache'] = None\n")
+
+    def check(pythonpath: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        run = subprocess.run(
+            [sys.executable, str(SCRIPT), "check"], capture_output=True, text=True, env=env
+        )
+        return run.stdout.strip()
+
+    assert check(str(tmp_path)) == "unchecked"
+    assert check(None) == "fits"  # the control: the installed build, importable
 
 # ----------------------------------------------------------------------------
 # llama.cpp's AMX kernels beside torch's (rust/tiles.rs, tile_restorer)
