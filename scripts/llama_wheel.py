@@ -8,7 +8,7 @@ what -march=native emits, plus the build's CMake arguments.
     python3 scripts/llama_wheel.py key [CMAKE_ARGS]   # prints the key ('' off Linux x86-64)
     python3 scripts/llama_wheel.py status WHEEL       # same | different | absent (installed)
     python3 scripts/llama_wheel.py find               # pip's cached wheel that is installed
-    python3 scripts/llama_wheel.py check              # fits | other-cpu | unchecked (installed build)
+    python3 scripts/llama_wheel.py check              # fits | other-cpu | unchecked (installed)
     python3 scripts/llama_wheel.py has-amx            # exit status 0 when the CPU has AMX-INT8
 
 Only `check` imports specfast (and torch); the rest is the standard library, so the install's

@@ -245,7 +245,6 @@ def test_wheel_status_compares_the_libraries(tmp_path):
     assert w.wheel_status(wheel, None) == "absent"
 
 
-
 def test_check_of_an_unimportable_build_is_no_pass(tmp_path):
     """install.sh keeps a wheel only when `check` prints "fits". A llama_cpp whose import fails
     (a --no-deps install without diskcache, as a new machine had) is "unchecked", not a pass."""
@@ -265,6 +264,7 @@ def test_check_of_an_unimportable_build_is_no_pass(tmp_path):
 
     assert check(str(tmp_path)) == "unchecked"
     assert check(None) == "fits"  # the control: the installed build, importable
+
 
 # ----------------------------------------------------------------------------
 # llama.cpp's AMX kernels beside torch's (rust/tiles.rs, tile_restorer)
