@@ -4,9 +4,10 @@
 
 Two measurements, on one Llama (n_threads=2 unless --threads), greedy, 128 new tokens, EOS off:
 
-- **Pass cost**: one llama_decode over n new tokens after `--context` tokens (median of 15),
-  as a multiple of n = 1. Verifying k drafts is a pass over k + 1 tokens, so with every draft
-  accepted a round yields k + 1 tokens for cost(k + 1): the "ideal" row is that ratio.
+- **Pass cost**: one llama_decode over n new tokens after `--context` tokens (median of 15,
+  sizes interleaved; see pass_costs), as a multiple of n = 1. Verifying k drafts is a pass
+  over k + 1 tokens, so with every draft accepted a round yields k + 1 tokens for
+  cost(k + 1): the "ideal" row is that ratio.
 - **Oracle**: specfast.generate over the Llama with a drafter that proposes the true greedy
   continuation (llama.cpp plain's own output) with fixed k, interleaved per prompt with
   llama.cpp plain, specfast's plain loop and the n-gram drafter (auto k). The oracle's decode
@@ -55,22 +56,33 @@ class Oracle:
 
 
 def pass_costs(llama, context: int, sizes=PASS_SIZES, repeats: int = 15) -> dict[int, float]:
-    """n -> median seconds of one decode over n tokens after `context` tokens."""
+    """n -> median seconds of one decode over n tokens after `context` tokens.
+
+    The sizes are timed round-robin (one pass of each n per round, after an untimed warm-up
+    round), so the machine's drift over the minutes this takes falls on every n alike; timed n by
+    n, the first size measured right after the prefill read slow. t(1) is the middle one of
+    three consecutive steps, as plain decoding runs them: one step timed after a rollback read
+    14-16 % slower than a step in a run (Qwen2.5-Coder 1.5B Q4_K_M on a Zen 4, 2026-12-01), and
+    t(1) timed first and alone made plain decoding look slower than it is, so every replayed
+    speedup read high (t(1) 51 ms, now 44; the clock's plain steps 36-42)."""
     dec = LlamaDecoder(llama)
     gen = torch.Generator().manual_seed(0)
     dec.forward(torch.randint(100, llama.n_vocab() - 100, (context,), generator=gen), True)
-    out = {}
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
-            ids = torch.randint(100, llama.n_vocab() - 100, (n,), generator=gen)
-            t0 = time.perf_counter()
-            dec.forward_greedy(ids)
-            times.append(time.perf_counter() - t0)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(repeats + 1):
+        for n in sizes:
+            steps = 3 if n == 1 else 1
+            taken = []
+            for _ in range(steps):
+                ids = torch.randint(100, llama.n_vocab() - 100, (n,), generator=gen)
+                t0 = time.perf_counter()
+                dec.forward_greedy(ids)
+                taken.append(time.perf_counter() - t0)
             dec.rollback(context)
-        out[n] = statistics.median(times)
+            if r:  # round 0 warms up
+                times[n].append(taken[steps // 2])
     dec.reset()
-    return out
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def decode_rate(n_tokens: int, seconds: float, prefill_seconds: float) -> float:
