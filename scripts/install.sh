@@ -20,11 +20,15 @@ NO_AMX_ARGS="-DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
 # SIGILL on an AVX2 one. So wheels are kept per CPU (key: a hash of the CPU flags that change
 # -march=native's code, and CMAKE_ARGS), each only once the installed build passes
 # check_llama_build (its instruction sets are this CPU's; on AMX builds, a batched pass runs).
-# A --no-deps install (which keeps pip from rebuilding or reinstalling numpy) is always followed by
-# a plain one of the same wheel: that one only adds the dependencies still missing (diskcache,
-# which `import llama_cpp` needs and nothing else brings, on a new machine).
 pip() { python3 -m pip -q --disable-pip-version-check "$@"; }
 VERSION=0.3.36
+replace_llama() {  # $1: a wheel. Installs it over whatever llama-cpp-python is there.
+    # --no-deps keeps pip from reinstalling numpy and the rest; the plain install after it only
+    # adds the dependencies still missing (diskcache, which `import llama_cpp` needs and nothing
+    # else brings, on a new machine).
+    pip install --root-user-action=ignore --force-reinstall --no-deps "$1" &&
+        pip install --root-user-action=ignore "$1"
+}
 install_llama() {  # $1: CMAKE_ARGS. Installs this CPU's build; fails if it does not fit.
     export CMAKE_ARGS="$1"
     local key wheels wheel
@@ -33,18 +37,16 @@ install_llama() {  # $1: CMAKE_ARGS. Installs this CPU's build; fails if it does
     if [ -e "$wheels/failed" ]; then return 1; fi  # this CPU's build failed before
     wheel=$(ls "$wheels"/llama_cpp_python-$VERSION-*.whl 2>/dev/null | head -n 1 || true)
     if [ -n "$wheel" ]; then  # built and checked on this CPU before
-        if [ "$(python3 scripts/llama_wheel.py status "$wheel")" = different ]; then
-            pip install --root-user-action=ignore --force-reinstall --no-deps "$wheel"
-        fi
-        pip install --root-user-action=ignore "$wheel"  # and its dependencies (below)
+        case "$(python3 scripts/llama_wheel.py status "$wheel")" in
+            different) replace_llama "$wheel" ;;
+            *) pip install --root-user-action=ignore "$wheel" ;;  # absent, or its deps only
+        esac
         return 0
     fi
     mkdir -p "$wheels/new"
     # (set -e does not reach inside a function called left of ||: each failure is handled here.)
     pip wheel --no-cache-dir --no-deps -w "$wheels/new" "llama-cpp-python==$VERSION" &&
-        pip install --root-user-action=ignore --force-reinstall --no-deps \
-            "$wheels"/new/llama_cpp_python-$VERSION-*.whl &&
-        pip install --root-user-action=ignore "$wheels"/new/llama_cpp_python-$VERSION-*.whl ||
+        replace_llama "$(ls "$wheels"/new/llama_cpp_python-$VERSION-*.whl)" ||
         { rm -rf "$wheels/new"; return 1; }
     case "$(python3 scripts/llama_wheel.py check)" in
         fits) mv "$wheels"/new/*.whl "$wheels/" && rmdir "$wheels/new"; return 0 ;;
