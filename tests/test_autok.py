@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specfast.autok import AutoK, shared_match_rates, shared_pass_costs
 
 
@@ -276,3 +278,37 @@ def test_a_carried_rate_is_a_prior_that_the_new_calls_evidence_soon_outweighs(mo
     assert rounds_until_off() <= 2
     monkeypatch.setattr(autok, "CARRIED_WEIGHT", 1e9)  # negative control: all the evidence
     assert rounds_until_off() > 4
+
+
+def test_measured_pass_costs_are_the_decayed_means_per_length():
+    from specfast.autok import measured_pass_costs
+
+    target = ReplayLikeTarget()
+    assert measured_pass_costs(target) == {}
+    auto = AutoK()
+    auto.use_pass_costs(shared_pass_costs(target))
+    for seconds in (0.010, 0.020):  # two plain rounds: t(1)'s weights are 0.8 and 1
+        auto.observe(0, 0, seconds)
+    auto.observe(3, 1, 0.050)  # one pass over 4 tokens
+    got = measured_pass_costs(target)
+    assert list(got) == [1, 4]
+    assert got[1] == pytest.approx((0.8 * 0.010 + 0.020) / 1.8) and got[4] == pytest.approx(0.05)
+    assert measured_pass_costs(ReplayLikeTarget()) == {}  # per target
+
+
+def test_pass_cost_line_names_the_runtime_and_ratios():
+    from specfast.bench import format_pass_costs
+
+    line = format_pass_costs("llama.cpp", {1: 0.0125, 4: 0.025, 16: 0.1})
+    assert line == (
+        "pass cost on llama.cpp, as auto k measured it: t(1) = 12.5 ms; "
+        "t(n)/t(1) for n tokens: 4:2.00 16:8.00; with every draft accepted, at most "
+        "2.00x plain (n = 4)"
+    )
+    # The ceiling is the best n t(1) / t(n), not the longest pass's.
+    assert format_pass_costs("x", {1: 0.01, 4: 0.03, 16: 0.04}).endswith("4.00x plain (n = 16)")
+    assert "no longer pass measured" in format_pass_costs("specfast", {1: 0.01})
+
+
+class ReplayLikeTarget:
+    """A stand-in target: AutoK's tables are keyed weakly, so it needs a class of its own."""

@@ -352,7 +352,7 @@ def test_bench_end_to_end_all_engines_tiny_model(tiny_model_dir, tmp_path, capsy
     argv = ["bench", "--model", str(tiny_model_dir), "--workloads", "code-edit,open"]
     argv += ["--prompts-per-workload", "1", "--repeats", "1", "--max-new-tokens", "8"]
     argv += ["--out", str(out), "--sweep-k"]
-    rc, _, err = run_main(argv, capsys)
+    rc, stdout, err = run_main(argv, capsys)
     assert rc == 0, err
     summary = json.loads((out / "results.json").read_text())["summary"]
     for kind in ("code-edit", "open"):
@@ -362,6 +362,10 @@ def test_bench_end_to_end_all_engines_tiny_model(tiny_model_dir, tmp_path, capsy
         assert summary[kind]["specfast-ngram"]["identical"] == 1
         assert summary[kind]["specfast-plain"]["identical"] == 1  # vs transformers
     assert (out / "speedup.png").exists() and (out / "sweep_k.png").exists()
+    # specfast-ngram ran auto k on the torch runtime, which timed its passes there.
+    assert "pass cost on specfast, as auto k measured it: t(1) = " in stdout
+    costs = json.loads((out / "results.json").read_text())["meta"]["pass_costs_ms"]
+    assert list(costs) == ["specfast"] and costs["specfast"]["1"] > 0
 
 
 @needs_runtime

@@ -435,3 +435,28 @@ def test_load_model_with_the_llama_backend(smollm_gguf):
         specfast.load_model(smollm_gguf, backend="vllm")
     with pytest.raises(TypeError, match=r"llama\.cpp"):
         specfast.load_model(smollm_gguf, n_ctx=300)
+
+
+def test_bench_over_llama_reports_the_pass_costs_auto_k_measured(smollm_gguf, tmp_path, capsys):
+    import json
+
+    from specfast import cli
+
+    out = tmp_path / "out"
+    argv = ["bench", "--backend", "llama.cpp", "--model", str(smollm_gguf), "--workloads", "open"]
+    argv += ["--engines", "llama.cpp-plain,specfast-llama-plain,specfast-llama-ngram"]
+    argv += ["--prompts-per-workload", "1", "--repeats", "1", "--max-new-tokens", "8"]
+    argv += ["--llama-threads", "1", "--out", str(out)]
+    assert cli.main(argv) == 0
+    stdout = capsys.readouterr().out
+    doc = json.loads((out / "results.json").read_text())
+    assert {e: f["new_tokens"] for e, f in doc["summary"]["open"].items()} == {
+        "llama.cpp-plain": 8,
+        "specfast-llama-plain": 8,
+        "specfast-llama-ngram": 8,
+    }
+    # The n-gram engine's auto k timed every one of its rounds on the Llama (k = 0 included),
+    # so t(1) is there; the plain loop runs no auto k and the torch runtime was not loaded.
+    costs = doc["meta"]["pass_costs_ms"]
+    assert list(costs) == ["llama.cpp"] and 0 < costs["llama.cpp"]["1"] < 10_000
+    assert "pass cost on llama.cpp, as auto k measured it: t(1) = " in stdout

@@ -84,6 +84,13 @@ def shared_pass_costs(target) -> dict[int, list[float]]:
     return _per_target(_PASS_COSTS, target)
 
 
+def measured_pass_costs(target) -> dict[int, float]:
+    """n -> seconds of one target pass over n tokens, as auto k has measured them on `target`
+    (decayed means, so recent passes weigh most); empty before any auto-k round ran on it."""
+    sums = shared_pass_costs(target)
+    return {n: t / w for n, (w, t) in sorted(sums.items()) if w > 0}
+
+
 # The n-gram's acceptance per match length, per target: the rates of the latest call's AutoK.
 _MATCH_RATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

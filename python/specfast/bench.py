@@ -417,6 +417,35 @@ def peak_memory(device: str = "cpu") -> dict[str, float]:
     return out
 
 
+def pass_cost_report(targets: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """{runtime: {n: seconds}}: what one pass over n tokens cost each target, as auto k measured
+    it during the runs (autok.measured_pass_costs); targets that ran no auto-k round are left
+    out. Speculation pays where verifying n tokens costs far less than n single steps."""
+    from specfast.autok import measured_pass_costs
+
+    out = {}
+    for name, target in targets.items():
+        costs = measured_pass_costs(target) if target is not None else {}
+        if 1 in costs:
+            out[name] = costs
+    return out
+
+
+def format_pass_costs(name: str, costs: dict[int, float]) -> str:
+    """t(1) in ms, t(n)/t(1) for every other pass length measured, and the ceiling those
+    lengths allow: n t(1) / t(n), the speedup of rounds whose n - 1 drafts are all accepted."""
+    t1 = costs[1]
+    ratios = " ".join(f"{n}:{t / t1:.2f}" for n, t in costs.items() if n != 1)
+    line = f"pass cost on {name}, as auto k measured it: t(1) = {t1 * 1e3:.1f} ms; "
+    if not ratios:
+        return line + "no longer pass measured"
+    best = max((n for n in costs if n != 1), key=lambda n: n * t1 / costs[n])
+    return line + (
+        f"t(n)/t(1) for n tokens: {ratios}; with every draft accepted, at most "
+        f"{best * t1 / costs[best]:.2f}x plain (n = {best})"
+    )
+
+
 def machine_label(meta: dict[str, Any]) -> str:
     if meta.get("gpu"):
         return str(meta["gpu"])
@@ -859,7 +888,13 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         k: {e: f for e, f in v.items() if sweep_k(e) is None} for k, v in summary.items()
     }
 
+    costs = pass_cost_report({"specfast": sf_model, "llama.cpp": llamas.get("target")})
+    if costs:
+        meta["pass_costs_ms"] = {k: {n: t * 1e3 for n, t in c.items()} for k, c in costs.items()}
+
     print(format_tables(main_summary))
+    for name, c in costs.items():
+        print(format_pass_costs(name, c))
     out = Path(args.out)
     eos_ids: list[int] = []
     if sf_model is not None:
