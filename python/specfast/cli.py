@@ -216,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="compare specfast and transformers side by side on real workloads",
         description="Run specfast and transformers side by side, interleaved in one process, "
-        "on real workloads of each kind; print a table per kind and write results.json, "
-        "results.md and speedup.png to --out. EOS is disabled so every engine generates "
+        "on real workloads of each kind; print a table per kind and what one target pass "
+        "over n tokens cost as auto k measured it, and write results.json, results.md and "
+        "speedup.png to --out. EOS is disabled so every engine generates "
         "exactly --max-new-tokens tokens.",
     )
     b.set_defaults(subparser=b)
