@@ -153,9 +153,9 @@ class RecordingDecoder:
         self.log.append((self.inner.length, ids.shape[0]))
         return self.inner.forward(ids, last_only)
 
-    def forward_greedy(self, ids):
-        self.log.append((self.inner.length, ids.shape[0]))
-        return self.inner.forward_greedy(ids)
+    def greedy_ids(self, tokens):
+        self.log.append((self.inner.length, len(tokens)))
+        return self.inner.greedy_ids(tokens)
 
     def rollback(self, n):
         self.inner.rollback(n)

@@ -405,6 +405,20 @@ def test_llama_decode_failure_is_a_python_exception(tiny, monkeypatch):
     assert dec.length == 3  # the failed call left the sequence as it was
 
 
+def test_greedy_ids_is_forward_greedy_on_lists_and_checks_them(tiny):
+    # greedy_ids is what generate()'s greedy rounds call: lists in and out, no torch.
+    a, b = LlamaDecoder(tiny, 16), LlamaDecoder(new_llama(tiny.model_path), 16)
+    assert a.greedy_ids([5, 6, 7]) == b.forward_greedy(torch.tensor([5, 6, 7])).tolist()
+    assert a.greedy_ids([8]) == b.forward_greedy(torch.tensor([8])).tolist()
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 320\)"):
+        a.greedy_ids([1, 320])
+    with pytest.raises(ValueError, match=r"max_length 16"):
+        a.greedy_ids(list(range(13)))
+    with pytest.raises(ValueError, match="cannot append 0 tokens"):
+        a.greedy_ids([])
+    assert a.length == 4  # the refused calls appended nothing
+
+
 def test_decoder_checks_ids_and_rollback(tiny):
     dec = LlamaDecoder(tiny, 8)
     with pytest.raises(ValueError, match="token ids must be in"):

@@ -353,11 +353,13 @@ def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: Gener
         _check_draft(draft, settings.vocab_size)
     t1 = time.perf_counter()
     proposal.seconds = t1 - t0
-    ids = torch.tensor([emit.token_ids[-1], *draft], dtype=torch.long, device=settings.device)
+    tokens = [emit.token_ids[-1], *draft]
     sampling = settings.sampling
     q = proposal.q if sampling is not None and draft else None
     layers = feature_layers(drafter)
-    out, logits, features = _verify(decoder, ids, draft, q, len(emit.token_ids), sampling, layers)
+    out, logits, features = _verify(
+        decoder, tokens, draft, q, len(emit.token_ids), sampling, settings.device, layers
+    )
     n_accepted = len(out) - 1
     if features is not None:
         features = features[: n_accepted + 1]
@@ -373,16 +375,18 @@ def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: Gener
     drafter.extend(emit.token_ids[-committed:])
 
 
-def _verify(decoder, ids, draft, q, pos, sampling, layers=None):
-    """One target pass over ids = [last, *draft] -> (tokens it commits, its logits or None,
+def _verify(decoder, tokens, draft, q, pos, sampling, device, layers=None):
+    """One target pass over tokens = [last, *draft] -> (tokens it commits, its logits or None,
     the features of `layers` for every row or None).
 
     Greedy: the argmax of every row is taken inside the step (a compiled step's graph) and the
-    k+1 ids are the round's one device-to-host copy; the accepted count is their leading run of
+    k+1 ids are the round's one device-to-host copy (`greedy_ids`: lists in and out, so
+    llama.cpp's decoder needs no torch call); the accepted count is their leading run of
     matches, counted on the host (O(k)). Sampling needs the logits."""
+    if sampling is None and layers is None:
+        return accept_greedy(draft, decoder.greedy_ids(tokens)), None, None
+    ids = torch.tensor(tokens, dtype=torch.long, device=device)
     if sampling is None:
-        if layers is None:
-            return accept_greedy(draft, decoder.forward_greedy(ids).tolist()), None, None
         top, features = decoder.forward_greedy(ids, features=layers)
         return accept_greedy(draft, top.tolist()), None, features
     logits, features = _forward(decoder, ids, layers)  # (1 + len(draft), V)

@@ -82,6 +82,11 @@ class HFDecoder:
         """ids (T,) -> (T,) argmax ids, on the device; appends T tokens."""
         return self.forward(ids).argmax(dim=-1)
 
+    def greedy_ids(self, tokens: list[int]) -> list[int]:
+        """forward_greedy over a list of ids -> the argmax id of every row, as ints."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.forward_greedy(ids).tolist()
+
     def rollback(self, length: int) -> None:
         check_rollback(length, self._length)
         if length < self._length:

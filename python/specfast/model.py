@@ -657,6 +657,11 @@ class Decoder:
         logits, feats = self.forward(ids, features=features)
         return logits.argmax(dim=-1), feats
 
+    def greedy_ids(self, tokens: list[int]) -> list[int]:
+        """forward_greedy over a list of ids -> the argmax id of every row, as ints."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
+        return self.forward_greedy(ids).tolist()
+
     def _is_static(self, ids, last_only, head) -> bool:
         return self.step is not None and not last_only and head is None and len(ids) <= BUCKETS[-1]
 
