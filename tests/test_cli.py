@@ -344,6 +344,7 @@ def test_generate_end_to_end_tiny_model(tiny_model_dir, capsys):
     rc, _, err = run_main([*argv, "--max-new-tokens", "8", "--chat"], capsys)
     assert rc == 0, err
     assert "tokens/s" in err and "mean acceptance length" in err
+    assert "pass cost on specfast, as auto k measured it: t(1) = " in err  # auto k timed it
 
 
 @needs_runtime

@@ -20,6 +20,8 @@ from specfast.bench import (
     ENGINES,
     LLAMA_DRAFT_ENGINES,
     NEEDS_DRAFT,
+    format_pass_costs,
+    pass_cost_report,
 )
 from specfast.eagle_cli import add_train_eagle, cmd_train_eagle
 from specfast.workloads import KINDS
@@ -447,6 +449,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_vocabulary=args.draft_vocabulary,
     )
     print("\n" + format_stats(out.stats), file=sys.stderr)
+    for name, costs in pass_cost_report({"specfast": model}).items():  # auto k's timings
+        print(format_pass_costs(name, costs), file=sys.stderr)
     if args.corpus:
         drafter.add_document(ids + out.token_ids)
         drafter.save(args.corpus, fingerprint=fingerprint)
