@@ -144,7 +144,7 @@ class LlamaDecoder:
     def forward_greedy(self, ids: torch.Tensor, features=None):
         """ids (T,) -> (T,) argmax ids; appends T tokens. The argmax reads llama.cpp's own
         logits buffer, so the (T, V) rows are never copied. With `features`: (ids, features)."""
-        check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length, host=True)
+        check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length)
         out = self._run(ids.tolist(), False, greedy=True, features=features)
         if isinstance(out, tuple):  # (ids, features)
             return torch.from_numpy(out[0]), out[1]
@@ -162,7 +162,7 @@ class LlamaDecoder:
         layer ids, or True for default_aux_layers) -> (logits, features (T, n*D) float32): the
         residual stream entering those layers at every row, as `specfast.model.Decoder`
         returns it, for an EAGLE head (see LayerInputs)."""
-        check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length, host=True)
+        check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length)
         return self._run(ids.tolist(), last_only, greedy=False, features=features)
 
     def _run(self, tokens: list[int], last_only: bool, greedy: bool, features=None):

@@ -536,12 +536,9 @@ class OutputRows:
 # one sequence's decoding state
 
 
-def check_ids(
-    ids, device, vocab_size: int, length: int, max_length: int, host: bool = False
-) -> None:
+def check_ids(ids, device, vocab_size: int, length: int, max_length: int) -> None:
     """What a decoder's forward accepts: a non-empty 1-D integer tensor on its device, of ids in
-    the vocabulary (checked on CPU), that fits after `length` tokens in `max_length`. host=True:
-    the caller checks the range itself, on the ids as a list (llama.cpp's decoder)."""
+    the vocabulary (checked on CPU), that fits after `length` tokens in `max_length`."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a 1-D torch.LongTensor, got {type(ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32):
@@ -555,7 +552,7 @@ def check_ids(
             f"cannot append {ids.shape[0]} tokens at length {length}: the decoder holds at most "
             f"{max_length} (max_length)"
         )
-    if ids.device.type != "cpu" or host:
+    if ids.device.type != "cpu":
         return  # the range check would cost a host sync; generate() checks ids on the host
     lo, hi = torch.aminmax(ids)
     if lo.item() < 0 or hi.item() >= vocab_size:
