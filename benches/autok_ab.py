@@ -1,7 +1,7 @@
-"""A/B of auto k over llama.cpp: this checkout's autok.py against another revision's, interleaved.
+"""A/B of auto k: this checkout's autok.py against another revision's, interleaved.
 
     python benches/autok_ab.py --base REV [--kinds open,code-edit] [--model PATH] [--prompts 3]
-        [--repeats 3] [--candidates 7,15]
+        [--repeats 3] [--candidates 7,15] [--backend llama.cpp|specfast]
 
 Per prompt and repeat, in alternating order: llama.cpp plain, specfast's plain loop, then the
 n-gram drafter with auto k from this checkout ("new") and from `git show REV:python/specfast/
@@ -9,8 +9,9 @@ autok.py` ("base"). Each AutoK module keeps its own per-target state, so the kin
 order given show what carries from one kind to the next. `--candidates` adds k values to the
 new side only (one line of autok.CANDIDATES). Prints the decode rate (tokens after the first
 over the time after the first) as a ratio to llama.cpp plain of the same prompt and repeat:
-median and mean over prompts and repeats. Figures move by about 10 % between runs on a shared
-2-core machine; read differences smaller than that as noise.
+median and mean over prompts and repeats. `--backend specfast` runs the same over specfast's
+torch runtime (dtype auto) instead, with its plain loop as the reference. Figures move by about
+10 % between runs on a shared 2-core machine; read differences smaller than that as noise.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--candidates", default="", help="extra k values for the new side")
+    p.add_argument("--backend", choices=("llama.cpp", "specfast"), default="llama.cpp")
     args = p.parse_args()
     base = load_autok(args.base)
     new = autok
@@ -83,17 +85,30 @@ def main() -> None:
         new = module_from(Path(autok.__file__))  # a copy: the extra candidates stay on this side
         new.CANDIDATES = tuple(sorted({*autok.CANDIDATES, *map(int, args.candidates.split(","))}))
     path = args.model or default_model_path()
-    llama = load_llamas(path, ["llama.cpp-plain"], None, n_threads=args.threads)["target"]
-    template = llama.metadata.get("tokenizer.chat_template")
-    plain = llama_cpp_engine(llama, max_new_tokens=args.tokens)
-    print(f"{path}  ({cpu_flags_label()}, n_threads={args.threads}), base {args.base}")
+    if args.backend == "llama.cpp":
+        target = load_llamas(path, ["llama.cpp-plain"], None, n_threads=args.threads)["target"]
+        template = target.metadata.get("tokenizer.chat_template")
+        plain = llama_cpp_engine(target, max_new_tokens=args.tokens)
+        ref_name = "llama.cpp plain"
+
+        def encode(text: str) -> list[int]:
+            return list(target.tokenize(text.encode(), add_bos=True, special=True))
+    else:
+        target = specfast.load_model(path)
+        template = getattr(target, "chat_template", None)
+        ref_name = "specfast plain"
+
+        def encode(text: str) -> list[int]:
+            return list(target.tokenizer.encode(text).ids)
+
+    print(f"{path}  ({cpu_flags_label()}, {args.backend}), base {args.base}")
     for kind in args.kinds.split(","):
         rates: dict[str, list[float]] = {}
         for rep in range(args.repeats):
             for w in build_workloads([kind], args.prompts):
-                text = w.render(template) if w.chat else w.render()
-                ids = list(llama.tokenize(text.encode(), add_bos=True, special=True))
-                order = ["llama.cpp plain", "specfast plain", "new", "base"]
+                ids = encode(w.render(template) if w.chat else w.render())
+                order = ["llama.cpp plain"] if args.backend == "llama.cpp" else []
+                order += ["specfast plain", "new", "base"]
                 for name in order if rep % 2 == 0 else order[::-1]:
                     t0 = time.perf_counter()
                     if name == "llama.cpp plain":
@@ -102,7 +117,7 @@ def main() -> None:
                     else:
                         use(base if name == "base" else new)
                         run = specfast.generate(
-                            llama,
+                            target,
                             ids,
                             max_new_tokens=args.tokens,
                             drafter=None if name == "specfast plain" else "ngram",
@@ -112,12 +127,12 @@ def main() -> None:
                     seconds = time.perf_counter() - t0 - prefill
                     rates.setdefault(name, []).append((n - 1) / seconds)
         use(autok)
-        ref = rates.pop("llama.cpp plain")
-        print(f"{kind}: llama.cpp plain {statistics.median(ref):.1f} tok/s decode")
+        ref = rates[ref_name] if args.backend == "specfast" else rates.pop(ref_name)
+        print(f"{kind}: {ref_name} {statistics.median(ref):.1f} tok/s decode")
         for name, values in rates.items():
             ratios = [v / r for v, r in zip(values, ref, strict=True)]
             print(
-                f"  {name:15s} x llama.cpp plain: median {statistics.median(ratios):.3f}"
+                f"  {name:15s} x {ref_name}: median {statistics.median(ratios):.3f}"
                 f"  mean {statistics.mean(ratios):.3f}"
             )
 

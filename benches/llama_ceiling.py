@@ -10,9 +10,10 @@ Two measurements, on one Llama (n_threads=2 unless --threads), greedy, 128 new t
   cost(k + 1): the "ideal" row is that ratio.
 - **Oracle**: specfast.generate over the Llama with a drafter that proposes the true greedy
   continuation (llama.cpp plain's own output) with fixed k, interleaved per prompt with
-  llama.cpp plain, specfast's plain loop and the n-gram drafter (auto k). The oracle's decode
-  rate is the ceiling any drafter can reach with that k; the n-gram row shows how close a real
-  drafter gets.
+  llama.cpp plain, llama-cpp-python's prompt lookup, specfast's plain loop and the n-gram
+  drafter (auto k). The oracle's decode rate is the ceiling any drafter can reach with that k;
+  the n-gram row shows how close a real drafter gets, and the last line sets the best oracle
+  against twice the lookup (#15's goal).
 
 Rates are decode rates (tokens after the first over the time after the first), medians over
 prompts and repeats, as ratios to llama.cpp plain in the same process.
@@ -101,7 +102,10 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     path = args.model or default_model_path()
-    llama = load_llamas(path, ["llama.cpp-plain"], None, n_threads=args.threads)["target"]
+    llamas = load_llamas(
+        path, ["llama.cpp-plain", "llama.cpp-lookup"], None, n_threads=args.threads
+    )
+    llama = llamas["target"]
     costs = pass_costs(llama, args.context)
     base = costs[1]
     print(f"{path}  ({cpu_flags_label()}, n_threads={args.threads})")
@@ -111,6 +115,7 @@ def main() -> None:
 
     template = llama.metadata.get("tokenizer.chat_template")
     plain = llama_cpp_engine(llama, max_new_tokens=args.tokens)
+    lookup = llama_cpp_engine(llamas["lookup"], max_new_tokens=args.tokens)
     rates: dict[str, list[float]] = {}
     for w in build_workloads([args.kind], args.prompts):
         text = w.render(template) if w.chat else w.render()
@@ -121,6 +126,11 @@ def main() -> None:
             ref = plain(ids)
             rates.setdefault("llama.cpp plain", []).append(
                 decode_rate(len(ref.token_ids), time.perf_counter() - t0, ref.prefill_seconds)
+            )
+            t0 = time.perf_counter()
+            looked = lookup(ids)
+            rates.setdefault("llama.cpp lookup", []).append(
+                decode_rate(len(looked.token_ids), time.perf_counter() - t0, looked.prefill_seconds)
             )
             runs = [("specfast plain", None, "auto"), ("specfast n-gram (auto k)", "ngram", "auto")]
             runs += [(f"oracle k={k}", Oracle(truth, len(ids)), k) for k in ORACLE_KS]
@@ -139,9 +149,15 @@ def main() -> None:
                 rates.setdefault(name, []).append(rate)
     ref_rate = statistics.median(rates["llama.cpp plain"])
     print(f"\n{args.kind}, {args.prompts} prompts x {args.repeats} repeats, {args.tokens} tokens")
+    ratio = {name: statistics.median(values) / ref_rate for name, values in rates.items()}
     for name, values in rates.items():
         median = statistics.median(values)
-        print(f"  {name:26s} {median:7.1f} tok/s  {median / ref_rate:5.2f}x llama.cpp plain")
+        print(f"  {name:26s} {median:7.1f} tok/s  {ratio[name]:5.2f}x llama.cpp plain")
+    best = max((r, name) for name, r in ratio.items() if name.startswith("oracle"))
+    print(
+        f"best oracle ({best[1]}) {best[0]:.2f}x against twice the lookup "
+        f"{2 * ratio['llama.cpp lookup']:.2f}x: no drafter could pass {best[0]:.2f}x here"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

@@ -312,3 +312,31 @@ def test_pass_cost_line_names_the_runtime_and_ratios():
 
 class ReplayLikeTarget:
     """A stand-in target: AutoK's tables are keyed weakly, so it needs a class of its own."""
+
+
+def flat_copy_auto(per_row: float, lengths=(1, 2, 4, 8, 12, 16)) -> AutoK:
+    """Every draft of a 32-token match accepted; a pass over n costs 1 + per_row (n - 1), timed
+    three times at each of `lengths`."""
+    auto = AutoK()
+    for n in lengths:
+        for _ in range(3):
+            auto.observe(n - 1, n - 1, 1 + per_row * (n - 1), 0.0, 32 if n > 1 else 0)
+    return auto
+
+
+def test_a_long_copy_uses_a_24_token_pass_where_verifying_is_nearly_free():
+    """torch in bf16 on a CPU: 24 tokens cost about 1.6 of one, so a copy that is always right
+    is verified 23 drafts at a time, not 15."""
+    assert flat_copy_auto(per_row=0.03).choose(32) == 23
+    assert flat_copy_auto(per_row=1.0).choose(32) < 23  # negative control: a step per row
+
+
+def test_lengths_past_16_are_priced_by_the_line_even_when_exploring(monkeypatch):
+    """llama.cpp on a CPU grows linearly past 16 rows: an untried 24 is priced by the line, not
+    at the longest timed length's price, which would make it look as cheap as 16."""
+    auto = flat_copy_auto(per_row=0.5)
+    line = auto.pass_seconds(24)
+    assert line > 1.3 * auto.pass_seconds(16)
+    assert auto.pass_seconds(24, explore=True) == line
+    monkeypatch.setattr("specfast.autok.EXPLORE_MAX_PASS", 64)
+    assert auto.pass_seconds(24, explore=True) == auto.pass_seconds(16)  # negative control

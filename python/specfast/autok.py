@@ -53,8 +53,14 @@ import weakref
 # rows cost as much as 32 there. Replayed over SmolLM2 Q4_1 and Qwen2.5-Coder Q4_K_M on a Zen 4
 # (benches/llama_replay.py, 2026-12-01, 7 prompt sets), these with untried lengths explored
 # (pass_seconds) gave code editing 5 % (a fresh process) to 7 % (later calls) over
-# (0, 1, 2, 3, 4, 6, 8, 10, 12, 16) with the line alone; other text within 0.4 %.
-CANDIDATES = (0, 1, 2, 3, 5, 7, 11, 15)
+# (0, 1, 2, 3, 4, 6, 8, 10, 12, 16) with the line alone; other text within 0.4 %. A pass over 24
+# pays where verifying is nearly free (torch in bf16 on a Zen 4: 24 tokens cost 1.6 of one):
+# replayed there, code editing +8 % (SmolLM2) and +9 % (Qwen2.5-Coder), other text within 2 %.
+CANDIDATES = (0, 1, 2, 3, 5, 7, 11, 15, 23)
+# Untried lengths up to this are priced optimistically (pass_seconds(explore=True)); longer
+# ones only by the line. llama.cpp's CPU passes grow linearly past 16 rows, and exploring 24 at
+# t(16)'s price cost quoting 7 % there in the replay, for nothing.
+EXPLORE_MAX_PASS = 16
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of match length
 # Lower edges of the draft model's probability for its token; the last buckets are narrow
 # because copying runs live there, where 0.99 and 0.999 mean very different run lengths.
@@ -131,7 +137,7 @@ def confidence_bucket(p: float) -> float:
 
 
 class AutoK:
-    def __init__(self, max_k: int = 16, decay: float = 0.9, max_draft_k: int = 32):
+    def __init__(self, max_k: int = 24, decay: float = 0.9, max_draft_k: int = 32):
         self.max_k = max_k
         self.max_draft_k = max_draft_k
         self.decay = decay
@@ -210,14 +216,15 @@ class AutoK:
         dearer than the longest of them. llama.cpp's cost curve has dips (Q4_K on a CPU: 16 rows
         cost less than 13) that the line cannot see, and a length the line overprices is never
         tried, so it never gets measured. It is tried only where its drafts would pay even at
-        that price, and three tries measure it; lengths between measured ones keep the line."""
+        that price, and three tries measure it; lengths between measured ones, and lengths past
+        EXPLORE_MAX_PASS, keep the line."""
         if self._fit is None:
             self._fit = self._fit_pass_cost()
         measured, intercept, slope, floor = self._fit
         if n in measured:
             return measured[n]
         line = max(intercept + slope * n, floor)
-        if explore and measured and n > max(measured):
+        if explore and measured and max(measured) < n <= EXPLORE_MAX_PASS:
             return min(line, measured[max(measured)])
         return line
 
