@@ -156,7 +156,8 @@ def main() -> None:
     best = max((r, name) for name, r in ratio.items() if name.startswith("oracle"))
     print(
         f"best oracle ({best[1]}) {best[0]:.2f}x against twice the lookup "
-        f"{2 * ratio['llama.cpp lookup']:.2f}x: no drafter could pass {best[0]:.2f}x here"
+        f"{2 * ratio['llama.cpp lookup']:.2f}x: with k up to {max(ORACLE_KS)}, no drafter "
+        f"could pass {best[0]:.2f}x here"
     )
     if args.out:
         with open(args.out, "w") as f:

@@ -47,7 +47,7 @@ import bisect
 import copy
 import weakref
 
-# k such that a pass over k + 1 rows is 1, 2, 3, 4, 6, 8, 12 or 16: powers of two and their
+# k such that a pass over k + 1 rows is 1, 2, 3, 4, 6, 8, 12, 16 or 24: powers of two and their
 # midpoints. llama.cpp's CPU kernels take rows in blocks (Q4_K on a Zen 4 and on a Xeon: 16 rows
 # cost less than 13-15), and compiled steps pad a pass to a power of two (steps.BUCKETS), so 17
 # rows cost as much as 32 there. Replayed over SmolLM2 Q4_1 and Qwen2.5-Coder Q4_K_M on a Zen 4
