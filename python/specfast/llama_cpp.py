@@ -31,7 +31,7 @@ import torch
 from specfast import _core
 from specfast.hardware import proc_cpu_flags
 from specfast.kv_cache import check_rollback
-from specfast.model import check_aux_layers, check_ids
+from specfast.model import check_aux_layers, check_fits, check_id_range, check_id_tensor
 
 _CPU = torch.device("cpu")
 # What llama_decode's return codes mean (llama.h).
@@ -144,7 +144,7 @@ class LlamaDecoder:
     def forward_greedy(self, ids: torch.Tensor, features=None):
         """ids (T,) -> (T,) argmax ids; appends T tokens. The argmax reads llama.cpp's own
         logits buffer, so the (T, V) rows are never copied. With `features`: (ids, features)."""
-        check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length)
+        check_id_tensor(ids, _CPU)  # the ids themselves are checked, as a list, in _run
         out = self._run(ids.tolist(), False, greedy=True, features=features)
         if isinstance(out, tuple):  # (ids, features)
             return torch.from_numpy(out[0]), out[1]
@@ -162,20 +162,15 @@ class LlamaDecoder:
         layer ids, or True for default_aux_layers) -> (logits, features (T, n*D) float32): the
         residual stream entering those layers at every row, as `specfast.model.Decoder`
         returns it, for an EAGLE head (see LayerInputs)."""
-        check_ids(ids, _CPU, self.vocab_size, self._length, self.max_length)
+        check_id_tensor(ids, _CPU)
         return self._run(ids.tolist(), last_only, greedy=False, features=features)
 
     def _run(self, tokens: list[int], last_only: bool, greedy: bool, features=None):
         """Decodes tokens in n_batch chunks -> float32 logits (rows, V), or argmax ids (rows,)
         as numpy int64; with features, also their (T, n*D) layer inputs."""
         T, start, V = len(tokens), self._length, self.vocab_size
-        if not T or start + T > self.max_length:
-            raise ValueError(
-                f"cannot append {T} tokens at length {start}: the decoder holds 1 to "
-                f"{self.max_length - start} more (max_length {self.max_length})"
-            )
-        if min(tokens) < 0 or max(tokens) >= V:
-            raise ValueError(f"token ids must be in [0, {V}), got [{min(tokens)}, {max(tokens)}]")
+        check_fits(T, start, self.max_length)
+        check_id_range(min(tokens), max(tokens), V)
         self._check_owner()
         layers = check_aux_layers(features, self.n_layers)
         inputs = self._layer_inputs(layers)

@@ -539,6 +539,16 @@ class OutputRows:
 def check_ids(ids, device, vocab_size: int, length: int, max_length: int) -> None:
     """What a decoder's forward accepts: a non-empty 1-D integer tensor on its device, of ids in
     the vocabulary (checked on CPU), that fits after `length` tokens in `max_length`."""
+    check_id_tensor(ids, device)
+    check_fits(ids.shape[0], length, max_length)
+    if ids.device.type != "cpu":
+        return  # the range check would cost a host sync; generate() checks ids on the host
+    lo, hi = torch.aminmax(ids)
+    check_id_range(lo.item(), hi.item(), vocab_size)
+
+
+def check_id_tensor(ids, device) -> None:
+    """check_ids's part that is about the tensor: 1-D, non-empty, integer, on `device`."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a 1-D torch.LongTensor, got {type(ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32):
@@ -547,15 +557,20 @@ def check_ids(ids, device, vocab_size: int, length: int, max_length: int) -> Non
         raise ValueError(f"ids must be 1-D and non-empty, got shape {tuple(ids.shape)}")
     if ids.device != device:
         raise ValueError(f"ids are on {ids.device} but the model is on {device}")
-    if length + ids.shape[0] > max_length:
+
+
+def check_fits(n: int, length: int, max_length: int) -> None:
+    """n new tokens, at least one, fit after `length` tokens in `max_length`."""
+    if not 0 < n <= max_length - length:
         raise ValueError(
-            f"cannot append {ids.shape[0]} tokens at length {length}: the decoder holds at most "
-            f"{max_length} (max_length)"
+            f"cannot append {n} tokens at length {length}: the decoder holds 1 to "
+            f"{max_length - length} more (max_length {max_length})"
         )
-    if ids.device.type != "cpu":
-        return  # the range check would cost a host sync; generate() checks ids on the host
-    lo, hi = torch.aminmax(ids)
-    if lo.item() < 0 or hi.item() >= vocab_size:
+
+
+def check_id_range(lo: int, hi: int, vocab_size: int) -> None:
+    """The smallest and largest id lie in the vocabulary."""
+    if lo < 0 or hi >= vocab_size:
         raise ValueError(f"token ids must be in [0, {vocab_size}), got [{lo}, {hi}]")
 
 
