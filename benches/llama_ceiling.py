@@ -33,6 +33,7 @@ from specfast.hardware import cpu_flags_label
 from specfast.llama_bench import llama_cpp_engine, load_llamas
 from specfast.llama_cpp import LlamaDecoder
 from specfast.loading import default_model_path
+from specfast.model import Model
 from specfast.workloads import build_workloads
 
 PASS_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17)
@@ -56,8 +57,9 @@ class Oracle:
         return self.truth[i : i + k]
 
 
-def pass_costs(llama, context: int, sizes=PASS_SIZES, repeats: int = 15) -> dict[int, float]:
-    """n -> median seconds of one decode over n tokens after `context` tokens.
+def pass_costs(target, context: int, sizes=PASS_SIZES, repeats: int = 15) -> dict[int, float]:
+    """n -> median seconds of one pass over n tokens after `context` tokens, on a Llama or on a
+    specfast Model (its own decoder, at the model's dtype).
 
     The sizes are timed round-robin (one pass of each n per round, after an untimed warm-up
     round), so the machine's drift over the minutes this takes falls on every n alike; timed n by
@@ -66,16 +68,19 @@ def pass_costs(llama, context: int, sizes=PASS_SIZES, repeats: int = 15) -> dict
     14-16 % slower than a step in a run (Qwen2.5-Coder 1.5B Q4_K_M on a Zen 4, 2026-12-01), and
     t(1) timed first and alone made plain decoding look slower than it is, so every replayed
     speedup read high (t(1) 51 ms, now 44; the clock's plain steps 36-42)."""
-    dec = LlamaDecoder(llama)
+    if isinstance(target, Model):
+        dec, vocab = target.decoder(context + max(*sizes, 3)), target.vocab_size
+    else:
+        dec, vocab = LlamaDecoder(target), target.n_vocab()
     gen = torch.Generator().manual_seed(0)
-    dec.forward(torch.randint(100, llama.n_vocab() - 100, (context,), generator=gen), True)
+    dec.forward(torch.randint(100, vocab - 100, (context,), generator=gen), True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(repeats + 1):
         for n in sizes:
             steps = 3 if n == 1 else 1
             taken = []
             for _ in range(steps):
-                ids = torch.randint(100, llama.n_vocab() - 100, (n,), generator=gen)
+                ids = torch.randint(100, vocab - 100, (n,), generator=gen)
                 t0 = time.perf_counter()
                 dec.forward_greedy(ids)
                 taken.append(time.perf_counter() - t0)

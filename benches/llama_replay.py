@@ -2,9 +2,13 @@
 priced by the target's measured pass costs.
 
     python benches/llama_replay.py --model PATH [--kind code-edit] [--prompts 6] [--cache F.json]
+        [--costs-of llama.cpp|specfast] [--max-pass 17] [--autok-rev REV]
 
 Once per model (cached in `--cache`): the pass cost t(n) of one llama_decode over n = 1..17 new
 tokens after `--context` tokens (median of 9), and llama.cpp's own greedy output for each prompt.
+`--costs-of specfast` prices the same text with specfast's torch runtime's passes instead (the
+GGUF loaded at dtype auto), and `--max-pass N` times passes up to N tokens (each such table is
+cached beside the first). `--autok-rev REV` replays auto k as of another revision's autok.py.
 Then each policy is replayed over those outputs: a round proposes, accepts the longest prefix equal
 to the true continuation, commits it plus one token and is charged t(k + 1). The figure is
 N t(1) / sum of the rounds' costs, the speedup over plain decoding if the loop itself were free.
@@ -27,7 +31,8 @@ import json
 import statistics
 from pathlib import Path
 
-from llama_ceiling import pass_costs  # benches/, next to this script
+from autok_ab import load_autok, use  # benches/, next to this script
+from llama_ceiling import pass_costs
 
 import specfast
 from specfast.drafters import make_drafter
@@ -100,13 +105,14 @@ def _replay_auto(runs: list[dict], costs: dict[int, float], key: object) -> list
 
 
 def replay_fixed(runs: list[dict], costs: dict[int, float], propose) -> list[float]:
-    """Speedup per run when `propose(context, truth_ahead)` drafts (fixed policies, oracles)."""
-    out = []
+    """Speedup per run when `propose(context, truth_ahead)` drafts (fixed policies, oracles),
+    with passes up to the longest `costs` has."""
+    out, max_pass = [], max(costs)
     for run in runs:
         truth, seq = run["output"], list(run["prompt"]) + run["output"][:1]
         i, seconds = 1, 0.0
         while i < len(truth):
-            draft = propose(seq, truth[i:])[: min(MAX_PASS - 1, len(truth) - i - 1)]
+            draft = propose(seq, truth[i:])[: min(max_pass - 1, len(truth) - i - 1)]
             n = accepted(draft, truth[i:])
             seconds += costs[len(draft) + 1]
             seq.extend(truth[i : i + n + 1])
@@ -129,7 +135,7 @@ def ngram_hindsight(costs: dict[int, float]):
     def propose(seq, truth):
         d = specfast.NgramDrafter()
         d.extend(seq)
-        draft = d.propose(MAX_PASS - 1)
+        draft = d.propose(max(costs) - 1)
         n = accepted(draft, truth)
         best = max(range(len(draft) + 1), key=lambda k: (min(k, n) + 1) / costs[k + 1])
         return draft[:best]
@@ -154,6 +160,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--context", type=int, default=500)
     p.add_argument("--cache", default=None, help="JSON of the costs and outputs, reused if there")
+    p.add_argument("--costs-of", choices=("llama.cpp", "specfast"), default="llama.cpp")
+    p.add_argument("--max-pass", type=int, default=MAX_PASS)
+    p.add_argument("--autok-rev", default=None, help="replay auto k as of this git revision")
     args = p.parse_args()
     cache = Path(args.cache) if args.cache else None
     if cache and cache.exists():
@@ -162,16 +171,32 @@ def main() -> None:
         data = measure(args.model, args.kind, args.prompts, args.tokens, args.context)
         if cache:
             cache.write_text(json.dumps(data))
-    costs = {int(n): t for n, t in data["costs"].items()}
+    table = "costs"
+    if (args.costs_of, args.max_pass) != ("llama.cpp", MAX_PASS):
+        table = f"costs of {args.costs_of}, to {args.max_pass}"
+        if table not in data:
+            if args.costs_of == "specfast":
+                target = specfast.load_model(Path(data["model"]))
+            else:
+                target = load_llamas(Path(data["model"]), ["llama.cpp-plain"], None, n_threads=2)
+                target = target["target"]
+            sizes = range(1, args.max_pass + 1)
+            data[table] = pass_costs(target, args.context, sizes=sizes, repeats=9)
+            if cache:
+                cache.write_text(json.dumps(data))
+    costs = {int(n): t for n, t in data[table].items()}
+    if args.autok_rev:
+        use(load_autok(args.autok_rev))
     runs = data["runs"]
-    print(f"{data['model']}  ({data['cpu_flags']}), {args.kind}, {len(runs)} prompts")
+    print(f"{data['model']}  (outputs on {data['cpu_flags']}; now {cpu_flags_label()})")
+    print(f"{args.kind}, {len(runs)} prompts, priced by {table}")
     print("t(n)/t(1): " + " ".join(f"{n}:{costs[n] / costs[1]:.2f}" for n in costs))
     rows = {"auto k (n-gram)": replay_auto(runs, costs, ReplayTarget())}
     rows["llama.cpp lookup (k=10)"] = replay_fixed(runs, costs, lambda s, _t: lookup(s))
     for k in (4, 8, 10, 16):
         rows[f"n-gram k={k}"] = replay_fixed(runs, costs, ngram_fixed(k))
     rows["n-gram hindsight"] = replay_fixed(runs, costs, ngram_hindsight(costs))
-    for k in (4, 8, 16):
+    for k in sorted({4, 8, 16, max(costs) - 1}):
         rows[f"oracle k={k}"] = replay_fixed(runs, costs, lambda _s, t, k=k: t[:k])
     for name, values in rows.items():
         each = " ".join(f"{v:5.2f}" for v in values)

@@ -55,12 +55,15 @@ import weakref
 # (pass_seconds) gave code editing 5 % (a fresh process) to 7 % (later calls) over
 # (0, 1, 2, 3, 4, 6, 8, 10, 12, 16) with the line alone; other text within 0.4 %. A pass over 24
 # pays where verifying is nearly free (torch in bf16 on a Zen 4: 24 tokens cost 1.6 of one):
-# replayed there, code editing +8 % (SmolLM2) and +9 % (Qwen2.5-Coder), other text within 2 %.
+# replayed there (benches/llama_replay.py --costs-of specfast --max-pass 33), code editing +4 %
+# (SmolLM2) and +8 % (Qwen2.5-Coder, its own costs), quoting within 1 %.
 CANDIDATES = (0, 1, 2, 3, 5, 7, 11, 15, 23)
-# Untried lengths up to this are priced optimistically (pass_seconds(explore=True)); longer
-# ones only by the line. llama.cpp's CPU passes grow linearly past 16 rows, and exploring 24 at
-# t(16)'s price cost quoting 7 % there in the replay, for nothing.
-EXPLORE_MAX_PASS = 16
+# Passes past LONG_PASS tokens are candidates only once a LONG_PASS-token pass has been timed at
+# no more than LONG_PASS_MAX_COST single steps: verifying is nearly free there. Elsewhere the
+# geometric acceptance model overrates long drafts (the n-gram's runs are all-or-nothing), and
+# with llama.cpp's CPU costs (24 tokens for 9.7 steps) the replay lost 5-6 % on code editing and
+# quoting with 24 allowed, most of it from tries on the flat prior before any pass was timed.
+LONG_PASS, LONG_PASS_MAX_COST = 16, 2.0
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of match length
 # Lower edges of the draft model's probability for its token; the last buckets are narrow
 # because copying runs live there, where 0.99 and 0.999 mean very different run lengths.
@@ -216,15 +219,14 @@ class AutoK:
         dearer than the longest of them. llama.cpp's cost curve has dips (Q4_K on a CPU: 16 rows
         cost less than 13) that the line cannot see, and a length the line overprices is never
         tried, so it never gets measured. It is tried only where its drafts would pay even at
-        that price, and three tries measure it; lengths between measured ones, and lengths past
-        EXPLORE_MAX_PASS, keep the line."""
+        that price, and three tries measure it; lengths between measured ones keep the line."""
         if self._fit is None:
             self._fit = self._fit_pass_cost()
         measured, intercept, slope, floor = self._fit
         if n in measured:
             return measured[n]
         line = max(intercept + slope * n, floor)
-        if explore and measured and max(measured) < n <= EXPLORE_MAX_PASS:
+        if explore and measured and n > max(measured):
             return min(line, measured[max(measured)])
         return line
 
@@ -255,11 +257,21 @@ class AutoK:
         for k in CANDIDATES[1:]:
             if k > self.max_k:
                 break
+            if k + 1 > LONG_PASS and not self._long_passes_pay():
+                break
             cost = self.pass_seconds(k + 1, explore) + k * step
             rate = (1 - a ** (k + 1)) / (1 - a) / cost
             if rate > best_rate * 1.001:
                 best_k, best_rate = k, rate
         return best_k, best_rate
+
+    def _long_passes_pay(self) -> bool:
+        """Has a LONG_PASS-token pass been timed at no more than LONG_PASS_MAX_COST steps?"""
+        if self._fit is None:
+            self._fit = self._fit_pass_cost()
+        measured = self._fit[0]
+        t1, long = measured.get(1), measured.get(LONG_PASS)
+        return t1 is not None and long is not None and long <= LONG_PASS_MAX_COST * t1
 
     def _or_probe(self, k: int, match_length: int | None) -> int:
         r = self._rate(match_bucket(match_length))
