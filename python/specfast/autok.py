@@ -55,8 +55,8 @@ import weakref
 # (pass_seconds) gave code editing 5 % (a fresh process) to 7 % (later calls) over
 # (0, 1, 2, 3, 4, 6, 8, 10, 12, 16) with the line alone; other text within 0.4 %. A pass over 24
 # pays where verifying is nearly free (torch in bf16 on a Zen 4: 24 tokens cost 1.6 of one):
-# replayed there (benches/llama_replay.py --costs-of specfast --max-pass 33), code editing +4 %
-# (SmolLM2) and +8 % (Qwen2.5-Coder, its own costs), quoting within 1 %.
+# replayed there (benches/llama_replay.py --costs-of specfast --max-pass 33), code editing +5 %
+# (SmolLM2) and +8 % (Qwen2.5-Coder, its own costs), quoting +2 %; over llama.cpp, as before.
 CANDIDATES = (0, 1, 2, 3, 5, 7, 11, 15, 23)
 # Passes past LONG_PASS tokens are candidates only once a LONG_PASS-token pass has been timed at
 # no more than LONG_PASS_MAX_COST single steps: verifying is nearly free there. Elsewhere the
