@@ -181,7 +181,7 @@ def conversation(model, turns: list[str], max_new_tokens: int, repeats: int, hf=
             model, history, max_new_tokens=max_new_tokens, drafter=TurnOnly(start)
         )
         identical = out.token_ids == full.token_ids == own.token_ids
-        # Exact in float32; in bf16 a pass over other shapes may flip a near-tie (DESIGN.md §4).
+        # Exact in float32; in bf16 other pass shapes may flip a near-tie (docs/exactness.md §4).
         assert identical or model.dtype != torch.float32, "greedy outputs differ in float32"
         r = {
             "turn": i + 1,
@@ -318,7 +318,7 @@ def main() -> None:
         if hf is not None:
             for mode in HF_MODES:
                 same, n = sum(r[mode]["identical"] for r in results[name]), len(results[name])
-                # float32 should agree on every turn; bf16 may flip a near-tie (DESIGN.md §4).
+                # float32 agrees on every turn; bf16 may flip a near-tie (docs/exactness.md §4).
                 flag = "  <- differs in float32" if same < n and info["dtype"] == "float32" else ""
                 print(f"{mode}: {same}/{n} turns identical to the session{flag}")
     if "corpus" in sections:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Assemble the Qwen2.5-Coder 1.5B (target) + 0.5B (draft) GGUF pair (DESIGN.md §6).
+"""Assemble the Qwen2.5-Coder 1.5B (target) + 0.5B (draft) GGUF pair (docs/benchmarks.md §5).
 
     python scripts/qwen_pair.py [--dir DIR]
 

@@ -1,4 +1,4 @@
-"""Level 2 (DESIGN.md §4.2): the joint distribution of the first 3 tokens through the whole
+"""Level 2 (docs/exactness.md §3.3): the joint distribution of the first 3 tokens through the whole
 generate() loop equals the model's exact joint, with one-hot drafts; and the same test, at the
 same N, catches a loop that skips the KV rollback or takes the bonus from the wrong position."""
 

@@ -118,7 +118,7 @@ def llama_greedy(llama, ids: list[int], n: int) -> list[int]:
 
 def same_up_to_near_ties(llama, ids: list[int], got: list[int], ref: list[int]) -> bool:
     """True if got == ref; else asserts they part where llama.cpp's top-2 logits are within
-    NEAR_TIE of each other (DESIGN.md section 4), and returns False."""
+    NEAR_TIE of each other (docs/exactness.md §4), and returns False."""
     if got == ref:
         return True
     i = next(i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b)

@@ -1,6 +1,6 @@
 """Side-by-side benchmark: specfast against transformers, interleaved in one process.
 
-Method (DESIGN.md §5): one model, dtype, machine and prompt set; for each prompt every engine runs
+Method (docs/benchmarks.md §1): one model, dtype, machine, prompt set; each prompt runs every engine
 in turn (the order rotates each repeat), after one warm-up run per engine. A figure is a median:
 per prompt over repeats, then per workload kind over prompts. Speedups are per-prompt ratios, then
 their median, never one number across workload kinds.
