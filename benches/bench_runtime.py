@@ -1,36 +1,45 @@
 """Time per target pass against the memory-bandwidth bound, eager against compiled steps.
 
-A decode step must read every weight once, so weight bytes / read bandwidth is a floor on its
-time. Read bandwidth is taken as half the rate of a large tensor copy (which reads and writes).
-Each model is timed over n new tokens after 500 tokens of context, for the verify buckets
-n = 1..32, as the median of interleaved repeats, eager and (with --compile) compiled.
+A decode step must read every weight once, so weight bytes / copy bandwidth (the bytes a large
+copy reads and writes per second, measured with the model in memory) is a floor on its time.
+Each model is timed over n new tokens after 500 tokens of context, for the verify buckets n,
+bucket by bucket (warm-up, which compiles and records the bucket's CUDA graph, then the median
+of --repeats passes), eager rows before compiled ones. Every (model, step, n) is a row: with
+--jsonl it is appended there as one JSON line the moment it is measured, and a failure is a row
+too, so a slow compile or an out-of-memory loses only its own row.
 
     python benches/bench_runtime.py                          # SmolLM2 from its GGUF, auto dtype
     python benches/bench_runtime.py --dtype float32 bfloat16 --compile
     python benches/bench_runtime.py --device cuda --shapes smollm2-135m qwen2.5-1.5b \\
-        --compile --json out.json                            # random weights of real shapes
+        --steps eager compiled --jsonl rows.jsonl            # random weights of real shapes
 
 Time per pass does not depend on the weights' values, so a GPU machine with no model file
-measures random-weight models of the real shapes.
+measures random-weight models of the real shapes (scripts/gpu_check.sh does).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
 
 import torch
 
-import specfast
 from specfast.hardware import cpu_flags_label
 from specfast.model import Model, ModelConfig, resolve_dtype
 
 NS = (1, 2, 4, 8, 16, 32)
 CONTEXT = 500
+STEPS = ("eager", "compiled")
 SHAPES = {
+    # A few MB: the CPU rehearsal of scripts/gpu_check.sh and its CI test.
+    "tiny": ModelConfig(
+        vocab_size=2048, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=384,
+        max_context=2048, tie_embeddings=True,
+    ),
     "smollm2-135m": ModelConfig(
         vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
         intermediate_size=1536, rope_theta=100000.0, max_context=8192, tie_embeddings=True,
@@ -39,6 +48,14 @@ SHAPES = {
         vocab_size=151936, dim=1536, n_layers=28, n_heads=12, n_kv_heads=2,
         intermediate_size=8960, rope_theta=1000000.0, max_context=32768, attn_bias=True,
         tie_embeddings=True, arch="qwen2",
+    ),
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        intermediate_size=14336, rope_theta=500000.0, max_context=131072,
+        rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        },
     ),
 }  # fmt: skip
 
@@ -49,9 +66,10 @@ def sync(device: torch.device) -> None:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 7) -> float:
-    """Bytes per second moved by a large copy, counting both the read and the write."""
+    """Bytes per second moved by a large copy, counting both the read and the write. Both
+    buffers are written first, so the copy runs on memory that is really there."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
+    dst = torch.zeros_like(src)
     times = []
     for _ in range(repeats):
         sync(device)
@@ -68,46 +86,146 @@ def weight_bytes(model) -> int:
 
 
 def random_model(shape: str, device: torch.device, dtype: torch.dtype) -> Model:
-    """A model of a real shape with N(0, 0.02) weights made on the device (fast, no file)."""
+    """A model of a real shape with N(0, 0.02) weights, allocated once, in `dtype` on `device`:
+    built on the meta device and cast there (free), so no float32 copy ever exists (an 8B model
+    built in float32 and then cast would need 48 GB on the way)."""
     with torch.device("meta"):
         model = Model(SHAPES[shape])
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype=dtype).to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.02)
     return model
 
 
-def pass_times(model, repeats: int, no_sync_check: bool = False, ns=NS) -> dict[int, float]:
-    """Median seconds of one pass over n tokens after CONTEXT tokens, for each n in `ns`."""
-    device = model.device
-    dec = model.decoder(CONTEXT + max(NS))
-    ids = torch.randint(0, model.vocab_size, (CONTEXT + max(NS),), device=device)
-    dec.forward(ids[:CONTEXT], last_only=True)
-    feeds = {n: ids[CONTEXT : CONTEXT + n] for n in ns}
-    for n in ns:  # warm-up: compiles each bucket and records its CUDA graph
-        for _ in range(3):
-            dec.rollback(CONTEXT)
-            dec.forward_greedy(feeds[n])
-    if no_sync_check and device.type == "cuda":
+def peak_bytes(device: torch.device) -> int:
+    """Peak device memory since the last reset (CUDA), or the process's peak RSS (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cudagraph_skips() -> int:
+    """Graphs inductor ran without CUDA graphs (mutated or non-static inputs, CPU ops, ...): it
+    says so only in this counter and a hidden log, so the bench reads it."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+def bucket_time(dec, feed: torch.Tensor, repeats: int, sync_check: bool) -> tuple[float, float]:
+    """(warm-up seconds, median seconds of one pass) for the pass over `feed` after CONTEXT
+    tokens. The warm-up compiles the bucket and records its CUDA graph (3 passes)."""
+    device = feed.device
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dec.rollback(CONTEXT)
+        dec.forward_greedy(feed)
+    sync(device)
+    warmup = time.perf_counter() - t0
+    if sync_check and device.type == "cuda":
         # Any hidden device->host sync inside a step raises here.
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for n in ns:
-                dec.rollback(CONTEXT)
-                dec.forward_greedy(feeds[n])
+            dec.rollback(CONTEXT)
+            dec.forward_greedy(feed)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    samples: dict[int, list[float]] = {n: [] for n in ns}
+    samples = []
     for _ in range(repeats):
-        for n in ns:
-            dec.rollback(CONTEXT)
-            sync(device)
-            t = time.perf_counter()
-            dec.forward_greedy(feeds[n])
-            sync(device)
-            samples[n].append(time.perf_counter() - t)
-    return {n: statistics.median(s) for n, s in samples.items()}
+        dec.rollback(CONTEXT)
+        sync(device)
+        t = time.perf_counter()
+        dec.forward_greedy(feed)
+        sync(device)
+        samples.append(time.perf_counter() - t)
+    return warmup, statistics.median(samples)
+
+
+def summary(row: dict) -> str:
+    """The one line a row prints."""
+    head = f"{row['model']} {row['dtype']} {row['step']} n={row.get('n', '-')}"
+    if "error" in row:
+        return f"{head}: FAILED {row['error']}"
+    line = (
+        f"{head}: {row['seconds'] * 1e3:.3f} ms"
+        + (f" (x{row['vs_n1']:.2f} n=1)" if row.get("vs_n1") is not None else "")
+        + f", {row['fraction_of_bound']:.0%} of the bandwidth bound"
+        + f" ({row['bound_seconds'] * 1e3:.3f} ms), peak {row['peak_bytes'] / 1e9:.2f} GB, warm-up {row['warmup_seconds']:.1f} s"
+    )
+    if row["step"] == "compiled":
+        line += f", cudagraph_skips {row['cudagraph_skips']}"
+    return line
+
+
+class Rows:
+    """Rows as they are measured: printed, appended to a JSON-lines file, kept."""
+
+    def __init__(self, jsonl: str | None):
+        self.jsonl = jsonl
+        self.rows: list[dict] = []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        print(summary(row), flush=True)
+        if self.jsonl:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def measure(rows: Rows, shape, dtype_name, step, device, ns, repeats) -> None:
+    """Every bucket of one (model, dtype, step), a row each; any failure becomes a row."""
+    from torch._dynamo.utils import counters
+
+    import specfast
+
+    dtype = resolve_dtype(dtype_name, device)
+    name = str(dtype).removeprefix("torch.")
+    base = {"model": shape, "dtype": name, "step": step, "device": str(device)}
+    model = dec = None
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        if shape == "gguf":
+            model = specfast.load_model(device=device, dtype=dtype, compile="off")
+        else:
+            model = random_model(shape, device, dtype)
+        model.compile_steps(step == "compiled")
+        bw = copy_bandwidth(device)  # with the weights in memory, as a pass runs
+        wb = weight_bytes(model)
+        bound = wb / bw
+        dec = model.decoder(CONTEXT + max(ns))
+        ids = torch.randint(0, model.vocab_size, (CONTEXT + max(ns),), device=device)
+        dec.forward(ids[:CONTEXT], last_only=True)
+    except Exception as e:  # the row's failure is the figure: record it, go on
+        rows.add({**base, "error": f"{type(e).__name__}: {e}"[:500]})
+        return
+    first = None
+    for n in ns:
+        row = {**base, "n": n, "weight_bytes": wb, "bound_seconds": bound}
+        try:
+            warmup, t = bucket_time(dec, ids[CONTEXT : CONTEXT + n], repeats, step == "compiled")
+        except Exception as e:
+            rows.add({**row, "error": f"{type(e).__name__}: {e}"[:500]})
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                break
+            continue
+        first = t if n == 1 else first
+        row.update(
+            seconds=t,
+            vs_n1=None if first is None else t / first,
+            fraction_of_bound=bound / t,
+            warmup_seconds=warmup,
+            peak_bytes=peak_bytes(device),
+            cudagraph_skips=cudagraph_skips(),
+            copy_bytes_per_s=bw,
+        )
+        rows.add(row)
+    del model, dec
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main(argv=None) -> dict:
@@ -115,57 +233,23 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", nargs="+", default=["auto"])
     p.add_argument("--shapes", nargs="+", default=["gguf"], help="gguf (SmolLM2 file) or shapes")
-    p.add_argument("--compile", action="store_true", help="also time compiled steps")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=["eager"])
+    p.add_argument("--compile", action="store_true", help="same as --steps eager compiled")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--ns", type=int, nargs="+", default=list(NS), help="tokens per pass")
-    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--json", help="write every row here at the end")
+    p.add_argument("--jsonl", help="append each row here, as one JSON line, once measured")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    bw = copy_bandwidth(device)
+    steps = [s for s in STEPS if s in (STEPS if args.compile else args.steps)]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_flags_label()
-    print(f"{device} ({where}): copy {bw / 1e9:.1f} GB/s (read + write); bound uses half")
-    print()
-    ns = tuple(args.ns)
-    print("| model | dtype | step | weights | bound | " + " | ".join(f"n={n}" for n in ns) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(ns))
-    results = {"device": str(device), "where": where, "copy_bytes_per_s": bw, "rows": []}
-    for shape in args.shapes:
-        for dtype_name in args.dtype:
-            dtype = resolve_dtype(dtype_name, device)
-            if shape == "gguf":
-                model = specfast.load_model(device=device, dtype=dtype, compile="off")
-            else:
-                model = random_model(shape, device, dtype)
-            wb = weight_bytes(model)
-            bound = wb / (bw / 2)
-            for step in ("eager", "compiled") if args.compile else ("eager",):
-                torch._dynamo.reset()
-                model.compile_steps(step == "compiled")
-                t0 = time.perf_counter()
-                t = pass_times(model, args.repeats, step == "compiled", ns)
-                first = ns[0]
-                cells = [f"{t[first] * 1e3:.2f} ms ({t[first] / bound:.2f}× bound)"]
-                cells += [f"×{t[n] / t[first]:.2f}" for n in ns[1:]]
-                name = str(dtype).removeprefix("torch.")
-                print(
-                    f"| {shape} | {name} | {step} | {wb / 1e6:.0f} MB | {bound * 1e3:.2f} ms | "
-                    + " | ".join(cells)
-                    + " |",
-                    flush=True,
-                )
-                results["rows"].append(
-                    {
-                        "model": shape,
-                        "dtype": name,
-                        "step": step,
-                        "weight_bytes": wb,
-                        "bound_seconds": bound,
-                        "pass_seconds": {str(n): s for n, s in t.items()},
-                        "fraction_of_bound": bound / t[first],
-                        "wall_seconds_incl_compile": time.perf_counter() - t0,
-                    }
-                )
-                print(f"  ({time.perf_counter() - t0:.0f}s incl. compile)", file=sys.stderr)
+    print(f"{device} ({where})", file=sys.stderr)
+    rows = Rows(args.jsonl)
+    for step in steps:  # eager rows first: compiled ones cost compiles, and may not finish
+        for shape in args.shapes:
+            for dtype_name in args.dtype:
+                measure(rows, shape, dtype_name, step, device, tuple(args.ns), args.repeats)
+    results = {"device": str(device), "where": where, "rows": rows.rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
