@@ -151,7 +151,8 @@ def summary(row: dict) -> str:
         f"{head}: {row['seconds'] * 1e3:.3f} ms"
         + (f" (x{row['vs_n1']:.2f} n=1)" if row.get("vs_n1") is not None else "")
         + f", {row['fraction_of_bound']:.0%} of the bandwidth bound"
-        + f" ({row['bound_seconds'] * 1e3:.3f} ms), peak {row['peak_bytes'] / 1e9:.2f} GB, warm-up {row['warmup_seconds']:.1f} s"
+        + f" ({row['bound_seconds'] * 1e3:.3f} ms), peak {row['peak_bytes'] / 1e9:.2f} GB,"
+        + f" warm-up {row['warmup_seconds']:.1f} s"
     )
     if row["step"] == "compiled":
         line += f", cudagraph_skips {row['cudagraph_skips']}"
