@@ -5,6 +5,7 @@
 //! - [`drafter`]: the n-gram drafter built on it (match policies, evidence-capped k, corpus).
 //! - [`corpus`]: saving a drafter's corpus to a versioned, checksummed file and loading it back.
 //! - [`accept`]: greedy verification and residual rejection sampling.
+//! - [`int8`]: int8 matrix products whose rows are quantized, and so computed, independently.
 //! - [`tiles`]: restoring llama.cpp's AMX tile configuration after torch released it.
 //! - [`error`]: the error type, turned into Python exceptions only at the boundary.
 //!
@@ -16,6 +17,7 @@ pub mod bigvec;
 pub mod corpus;
 pub mod drafter;
 pub mod error;
+pub mod int8;
 pub mod tiles;
 
 #[cfg(feature = "python")]

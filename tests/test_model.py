@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specfast import Model, ModelConfig
+from specfast._core import Int8Matrix
 from specfast.kv_cache import KVCache
 
 
@@ -133,7 +134,7 @@ def test_int8_weights_stay_close_and_are_used(tiny_model, ids, dtype):
     model = Model.from_config(tiny_model.config, seed=0, dtype=dtype)
     ref = model.decoder(64).forward(ids).float()
     model.quantize_int8()
-    assert isinstance(model.packed_weights()[-1], tuple)  # the int8 path, not the bf16 one
+    assert isinstance(model.packed_weights()[-1], Int8Matrix)  # the int8 path, not the bf16 one
     got = model.decoder(64).forward(ids).float()
     assert not torch.equal(got, ref)
     # Per-row int8 of N(0, 0.02) weights: errors of a few 1e-3 on logits of size ~0.1.

@@ -9,12 +9,14 @@ import numpy.typing as npt
 
 # PyO3 fills the runtime __all__ from the registered functions; keep this list in step.
 __all__ = [
+    "Int8Matrix",
     "NgramDrafter",
     "accept_greedy",
     "accept_sampled",
     "accept_sampled_with_uniforms",
     "amx_usable",
     "ggml_tile_restorer",
+    "int8_kernel",
     "rule_tables",
     "uniforms",
 ]
@@ -42,6 +44,24 @@ def rule_tables(
 
 def amx_usable() -> bool: ...
 def ggml_tile_restorer() -> int: ...
+
+# ---- int8 matrix products (rust/int8.rs) ------------------------------------------------------
+
+@final
+class Int8Matrix:
+    def __new__(cls, weight: npt.NDArray[np.float32]) -> Int8Matrix: ...
+    def matmul(
+        self, x: npt.NDArray[np.float32], out: npt.NDArray[np.float32], kernel: str = "auto"
+    ) -> None: ...
+    def weights(self) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def cols(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+def int8_kernel() -> str: ...
 
 # ---- drafter -----------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .int8 import Int8Matrix, dequantize, int8_kernel, int8_linear, quantize
 from .kv_cache import KVCache
 from .steps import BUCKETS, bucket, compile_step, static_capacity
 
@@ -140,25 +141,14 @@ _HAS_MKLDNN_LINEAR = (
 )
 
 
-_HAS_INT8_MM = hasattr(torch, "_weight_int8pack_mm")
-
-
 def _linear(x, weight, packed=None, bias=None):
-    """F.linear, through a oneDNN-prepacked weight or an int8 (weight, scales) pair if given."""
+    """F.linear, through a oneDNN-prepacked weight or an int8 matrix if given."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if isinstance(packed, tuple):
-        y = torch._weight_int8pack_mm(x, *packed)
+    if isinstance(packed, Int8Matrix):
+        y = int8_linear(x, packed)
         return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: (N, K) int8 and (N,) scales in w's dtype."""
-    w32 = w.detach().float()
-    scales = (w32.abs().amax(dim=1) / 127).clamp_min(1e-12)
-    q = torch.round(w32 / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-    return q, scales.to(w.dtype)
 
 
 def trim_heap() -> None:
@@ -210,13 +200,21 @@ class Model(nn.Module):
 
     def extra_repr(self) -> str:
         step = "compiled" if self.compiled_step is not None else "eager"
-        return f"dtype={self.dtype}, device={self.device}, step={step}"
+        weights = f"int8 ({int8_kernel()})" if self.int8 else "float"
+        return f"dtype={self.dtype}, weights={weights}, device={self.device}, step={step}"
+
+    @property
+    def weights(self) -> str:
+        """'int8' after quantize_int8(), else 'float'."""
+        return "int8" if self.int8 else "float"
 
     def compile_steps(
         self, enabled: bool = True, mode: str | None = None, backend: str = "inductor"
     ) -> Model:
         """Decoders made from now on run decode and verify passes as compiled static-shape
         steps (enabled=False: eager again). See specfast.steps. Returns self."""
+        if enabled and self.int8:
+            raise ValueError("int8 weights run eagerly on CPU; compile a float model instead")
         self.unpack()  # a compiled step reads the plain weights (packed_weights keeps them then)
         self.compiled_step = compile_step(self, mode, backend) if enabled else None
         return self
@@ -288,7 +286,7 @@ class Model(nn.Module):
 
     def packed_weights(self) -> list | None:
         """Per layer (wqkv, wo, w_gate_up, w_down) and then lm_head, as oneDNN-blocked weights
-        (or as int8 (weight, scales) pairs after `quantize_int8()`).
+        (or as int8 matrices after `quantize_int8()`).
 
         On CPU, a plain F.linear makes oneDNN re-lay out a bf16 weight on every call, and MKL's
         fp32 GEMM gets slow for 2-16 rows. Prepacked weights make a forward over 1-16 tokens cost
@@ -297,15 +295,15 @@ class Model(nn.Module):
 
         The packed copy replaces the plain weights of those matrices (they become shape-only
         placeholders on the meta device), so packing does not double the model's memory.
-        `unpack()` restores them exactly (oneDNN's reorder is lossless); call it before reading
-        or editing a matrix in place, and before `state_dict()`. The int8 path keeps the float
-        weights (quantize_int8), and so does a model with compiled steps, which read them.
+        `unpack()` restores them exactly (oneDNN's reorder is lossless; int8 ones come back
+        dequantized); call it before reading or editing a matrix in place, and before
+        `state_dict()`. A model with compiled steps keeps the plain weights, which they read.
         """
         if self._packed is not None:
             return self._packed or None
         packed: list = []
         # Each plain matrix goes as soon as its packed copy exists, so the peak is one copy.
-        release = not self.int8 and self.compiled_step is None
+        release = self.compiled_step is None
         released: list[tuple[nn.Linear, torch.Tensor]] = []
 
         def pack(m: nn.Linear):
@@ -350,16 +348,20 @@ class Model(nn.Module):
         if not self._plain_released:
             return
         for m, i, j in self._packed_modules():
-            w = (self._packed[i][j] if j is not None else self._packed[-1]).to_dense()
+            w = self._unpacked(self._packed[i][j] if j is not None else self._packed[-1])
             m.weight = nn.Parameter(w, requires_grad=False)
         self._plain_released = False
 
     def _pack(self, w: torch.Tensor):
-        """One matrix as packed_weights() holds it: int8 (weight, scales), or oneDNN-blocked for
-        16 rows (as fast as unpacked for 1 row, 1.5-2x faster for 4-16)."""
+        """One matrix as packed_weights() holds it: int8, or oneDNN-blocked for 16 rows (as
+        fast as unpacked for 1 row, 1.5-2x faster for 4-16)."""
         if self.int8:
-            return _int8_rows(w)
+            return quantize(w)
         return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+
+    def _unpacked(self, p) -> torch.Tensor:
+        """The plain matrix a packed one stands for."""
+        return dequantize(p).to(self.dtype) if isinstance(p, Int8Matrix) else p.to_dense()
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -367,7 +369,7 @@ class Model(nn.Module):
         if self.lm_head is None:
             return self.embed.weight
         if self._plain_released:  # a dense copy for the caller, without keeping it
-            return self._packed[-1].to_dense()
+            return self._unpacked(self._packed[-1])
         return self.lm_head.weight
 
     def output_rows(self, ids: torch.Tensor) -> OutputRows:
@@ -387,19 +389,21 @@ class Model(nn.Module):
         self._rows_cache = {}
 
     def quantize_int8(self) -> Model:
-        """Runs every matrix but the embedding lookup with int8 weights (one scale per output
-        row), on CPU: a decode step reads half the bytes of bf16, about 1.4x faster here.
+        """Runs every matrix but the embedding lookup with int8 weights, on CPU (see
+        specfast.int8): one scale per output row, and each activation row quantized on its own,
+        so a verify pass gives row for row what one-token passes give. A pass reads a quarter
+        of float32's bytes.
 
-        Meant for draft models: a draft only decides what gets proposed, never what is
-        committed, so its precision costs acceptance at most, not exactness. Quantizing a
-        target changes what that model generates. Keeps the float weights; returns self.
+        The int8 matrices replace the float ones (unpack() brings them back dequantized).
+        Quantizing changes what the model generates, as a lower dtype does; its speculative
+        output still equals its own plain output. Returns self.
         """
-        if not _HAS_INT8_MM:
-            raise ValueError("this torch build has no int8 weight kernel (_weight_int8pack_mm)")
         if self.device.type != "cpu":
             raise ValueError(f"quantize_int8 runs on CPU only; the model is on {self.device}")
-        self.int8 = True
+        if self.compiled_step is not None:
+            raise ValueError("int8 weights run eagerly on CPU; call compile_steps(False) first")
         self.unpack()
+        self.int8 = True
         return self
 
     # -- forward

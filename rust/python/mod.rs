@@ -8,6 +8,7 @@ use crate::error::Error;
 
 mod accept;
 mod drafter;
+mod int8;
 
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
@@ -42,6 +43,7 @@ fn ggml_tile_restorer() -> usize {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     drafter::register(m)?;
     accept::register(m)?;
+    int8::register(m)?;
     m.add_function(wrap_pyfunction!(amx_usable, m)?)?;
     m.add_function(wrap_pyfunction!(ggml_tile_restorer, m)?)?;
     Ok(())

@@ -1,0 +1,121 @@
+"""int8 weights on CPU: the Rust kernel's glue, and which weights "auto" picks on this CPU.
+
+Weights are int8 with one scale per output row; each activation row is quantized with its own
+scale at every call (`specfast._core.Int8Matrix`). So a row's logits never depend on the other
+rows of a pass: a verify pass over k+1 tokens gives exactly what k+1 one-token passes give, which
+keeps an int8 model's speculative output equal to its own plain output.
+
+`load_model(weights="auto")` picks int8 where a timed decode step says it is faster than the
+float weights at the dtype "auto" chose. The choice is kept per CPU and model shape in
+`~/.cache/specfast/weights.json` (`SPECFAST_CACHE` moves it), so it is timed once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from specfast._core import Int8Matrix, int8_kernel
+
+WEIGHTS_CHOICES = ("auto", "float", "int8")
+
+
+def quantize(weight: torch.Tensor) -> Int8Matrix:
+    """(N, K) float weight -> int8, one scale per row."""
+    return Int8Matrix(weight.detach().float().contiguous().numpy())
+
+
+def dequantize(m: Int8Matrix) -> torch.Tensor:
+    """The float32 (N, K) matrix the int8 one stands for: q * scale per row."""
+    q, scales = m.weights()
+    return torch.from_numpy(q).float() * torch.from_numpy(scales)[:, None]
+
+
+def int8_linear(x: torch.Tensor, m: Int8Matrix) -> torch.Tensor:
+    """x (..., K) @ W.T -> (..., N) in x's dtype; the product runs in float32 activations."""
+    x2 = x.reshape(-1, m.cols)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    out = torch.empty(x2.shape[0], m.rows)
+    m.matmul(x2.numpy(), out.numpy())
+    out = out.view(*x.shape[:-1], m.rows)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def check_weights(weights) -> str:
+    if weights not in WEIGHTS_CHOICES:
+        raise ValueError(f"weights must be one of {WEIGHTS_CHOICES}, got {weights!r}")
+    return weights
+
+
+# -----------------------------------------------------------------------------
+# "auto": time a decode step both ways, once per CPU and model shape
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("SPECFAST_CACHE") or Path.home() / ".cache" / "specfast"
+    return Path(root) / "weights.json"
+
+
+def _key(model, dtype: torch.dtype) -> str:
+    from specfast.hardware import proc_cpu_flags
+
+    c = model.config
+    shape = (c.dim, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size)
+    flags = " ".join(sorted(proc_cpu_flags() or ()))
+    raw = f"{flags}|{torch.__version__}|{int8_kernel()}|{torch.get_num_threads()}|{dtype}|{shape}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _step_seconds(model, steps: int = 6) -> float:
+    """The fastest of `steps` decode steps after a 32-token prefill."""
+    dec = model.decoder(64)
+    dec.forward(torch.arange(32) % model.vocab_size)
+    best = float("inf")
+    for i in range(steps):
+        t = time.perf_counter()
+        dec.forward(torch.tensor([i % model.vocab_size]))
+        best = min(best, time.perf_counter() - t)
+        dec.rollback(32)
+    return best
+
+
+def auto_weights(model) -> tuple[str, dict]:
+    """'int8' or 'float' for a CPU model at its dtype, and the timings behind the choice
+    (read from the cache when this CPU and shape were timed before)."""
+    path = _cache_path()
+    key = _key(model, model.dtype)
+    try:
+        cache = json.loads(path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    hit = cache.get(key)
+    if isinstance(hit, dict) and hit.get("weights") in ("int8", "float"):
+        return hit["weights"], hit
+    with torch.inference_mode():
+        t_float = _step_seconds(model)
+        model.quantize_int8()
+        t_int8 = _step_seconds(model)
+    choice = "int8" if t_int8 < t_float else "float"
+    entry = {
+        "weights": choice,
+        "float_ms": t_float * 1e3,
+        "int8_ms": t_int8 * 1e3,
+        "dtype": str(model.dtype),
+    }
+    cache[key] = entry
+    try:  # best effort: an unwritable cache only means timing again next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return choice, entry
