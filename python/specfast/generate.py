@@ -27,6 +27,7 @@ from specfast.sampling import (
     position_uniforms,
     sample_rows,
 )
+from specfast.steps import to_device
 
 MAX_SPECULATIVE_TOKENS = 64
 
@@ -385,7 +386,7 @@ def _verify(decoder, tokens, draft, q, pos, sampling, device, layers=None):
     matches, counted on the host (O(k)). Sampling needs the logits."""
     if sampling is None and layers is None:
         return accept_greedy(draft, decoder.greedy_ids(tokens)), None, None
-    ids = torch.tensor(tokens, dtype=torch.long, device=device)
+    ids = to_device(tokens, device)  # no blocking upload: the ids coming back are the one sync
     if sampling is None:
         top, features = decoder.forward_greedy(ids, features=layers)
         return accept_greedy(draft, top.tolist()), None, features

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -12,13 +14,23 @@ class KVCache:
     whatever a rolled-back sequence left there. Attention reads only [0, length + T).
     """
 
-    def __init__(self, n_layers, n_kv_heads, max_length, head_dim, device, dtype):
+    def __init__(self, n_layers, n_kv_heads, max_length, head_dim, device, dtype, buffers=None):
         shape = (n_layers, n_kv_heads, max_length, head_dim)
-        # Always inference tensors: a compiled step guards on that, so a cache made outside
-        # inference_mode would be a second graph.
-        with torch.inference_mode():
-            self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layers, Hkv, S, hd)
-            self.v = torch.zeros(shape, device=device, dtype=dtype)
+        if buffers is None:
+            # Always inference tensors: a compiled step guards on that, so a cache made outside
+            # inference_mode would be a second graph.
+            with torch.inference_mode():
+                buffers = (
+                    torch.zeros(shape, device=device, dtype=dtype),
+                    torch.zeros(shape, device=device, dtype=dtype),
+                )
+        self.k, self.v = buffers  # (n_layers, Hkv, S, hd) each
+        # The compiled step writes these in place (index_copy_). Inductor's CUDA graphs skip,
+        # silently but for a counter, any graph that mutates an input not marked static; marked,
+        # the graph writes the cache where it is. Unguarded: a new cache is no recompile, only
+        # a re-recording if its address is new (static_cache keeps addresses few).
+        torch._dynamo.mark_static_address(self.k, guard=False)
+        torch._dynamo.mark_static_address(self.v, guard=False)
         self.max_length = max_length
         self.length = 0
 
@@ -48,6 +60,30 @@ class KVCache:
         new = KVCache(L, Hkv, S, hd, self.k.device, self.k.dtype)
         new.copy_from(self)
         return new
+
+
+# Free buffers of compiled decoders' caches: {model: {(capacity, device, dtype): [(k, v), ...]}}
+_FREE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def static_cache(model, capacity: int) -> KVCache:
+    """A zeroed KVCache of `capacity` slots for a compiled decoder of `model`, on buffers that
+    outlive it: when the decoder goes, its buffers wait for the model's next decoder of that
+    capacity. A CUDA graph is recorded for the addresses it writes, so one generate() after
+    another reuses the graphs of the first instead of recording new ones (transformers'
+    StaticCache is kept for the same reason). Decoders alive at once (a draft that is the
+    target, a Session fork) get buffers of their own. The buffers go with the model."""
+    c = model.config
+    key = (capacity, model.device, model.dtype)
+    free = _FREE.setdefault(model, {}).setdefault(key, [])
+    buffers = free.pop() if free else None
+    if buffers is not None:
+        with torch.inference_mode():
+            for t in buffers:
+                t.zero_()  # as a new cache: stale values are masked, but NaN * 0 is not 0
+    cache = KVCache(c.n_layers, c.n_kv_heads, capacity, c.head_dim, *key[1:], buffers=buffers)
+    weakref.finalize(cache, free.append, (cache.k, cache.v))
+    return cache
 
 
 def check_rollback(length, current: int) -> None:
