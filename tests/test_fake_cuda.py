@@ -13,6 +13,7 @@ and capacity.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import traceback
@@ -395,8 +396,10 @@ def test_cuda_compiled_generate_records_graphs_and_skips_none():
 
     torch._dynamo.reset()
     counters.clear()
-    eager = Model.from_config(CONFIG, seed=1, device="cuda")
-    compiled = Model.from_config(CONFIG, seed=1, device="cuda").compile_steps()
+    # test_steps.py's CONFIG: the two CUDA tests share compiled graphs (inductor's cache)
+    config = dataclasses.replace(CONFIG, n_layers=2)
+    eager = Model.from_config(config, seed=1, device="cuda")
+    compiled = Model.from_config(config, seed=1, device="cuda").compile_steps()
     want = run(eager, drafter=None).token_ids
     for _ in range(3):  # later generate() calls replay the first one's graphs
         assert run(compiled, drafter="ngram").token_ids == want
