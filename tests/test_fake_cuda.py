@@ -362,6 +362,45 @@ def test_static_cache_buffers_go_with_the_model():
     assert buffer() is None
 
 
+def mutated_inputs(model: Model, cache: KVCache) -> dict[str, str | None]:
+    """The graph inputs the compiled step writes in place -> how each is marked static (None:
+    not). Inductor's CUDA graphs skip a graph with an unmarked one (cudagraph_skips)."""
+    out: dict[str, str | None] = {}
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            name = node.target if isinstance(node.target, str) else node.target.__name__
+            if node.op in ("call_method", "call_function") and name.endswith("_"):
+                base = node.args[0]
+                while base.op != "placeholder":  # through k_cache[i] and other views
+                    base = base.args[0]
+                out[base.name] = base.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(model.forward_static, fullgraph=True, dynamic=False, backend=backend)
+    cos, sin = model.rope(cache.max_length)
+    C = cache.max_length
+    with torch.inference_mode():
+        step(torch.zeros(4, dtype=torch.long), torch.arange(4), cache.k, cache.v, cos[:C], sin[:C])
+    return out
+
+
+def test_every_input_the_compiled_step_writes_is_static():
+    model = Model.from_config(CONFIG)
+    assert mutated_inputs(model, static_cache(model, 256)) == {
+        "l_k_cache_": "unguarded",
+        "l_v_cache_": "unguarded",
+    }
+
+
+def test_control_an_unmarked_cache_is_a_mutated_non_static_input():
+    model = Model.from_config(CONFIG)
+    cache = static_cache(model, 256)
+    del cache.k._dynamo_static_input_type  # the cache as it was made before the marking
+    assert mutated_inputs(model, cache)["l_k_cache_"] is None
+
+
 def test_compiled_step_on_marked_static_buffers_equals_eager():
     """torch.compile (AOT autograd, which handles the in-place cache writes) over the marked
     buffers of static_cache gives the eager step's logits, and writes the cache it was given."""
