@@ -762,7 +762,14 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     if sf_needed:
         import specfast
 
-        load = dict(device=args.device, dtype=args.dtype, compile=args.compile)
+        # specfast's engines get what a user's load_model gets: dtype and weights "auto" pick
+        # by hardware (int8 weights where they time faster), transformers the concrete dtype.
+        load = dict(
+            device=args.device,
+            dtype=requested_dtype,
+            compile=args.compile,
+            weights=getattr(args, "weights", "auto"),
+        )
         sf_model = specfast.load_model(str(model_path), **load)
         if any(e.startswith("specfast-eagle") for e in engines_wanted):
             sf_eagle = specfast.load_eagle(getattr(args, "eagle", None), sf_model)
@@ -866,6 +873,8 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         else None,
         "dtype": args.dtype,
         "dtype_requested": requested_dtype,
+        "specfast_dtype": str(getattr(sf_model, "dtype", "")).removeprefix("torch.") or None,
+        "weights": getattr(sf_model, "weights", None),
         "compile": args.compile,
         "step": "compiled" if getattr(sf_model, "compiled_step", None) is not None else "eager",
         **peak_memory(args.device),

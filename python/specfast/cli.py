@@ -24,6 +24,7 @@ from specfast.bench import (
     pass_cost_report,
 )
 from specfast.eagle_cli import add_train_eagle, cmd_train_eagle
+from specfast.int8 import WEIGHTS_CHOICES, int8_kernel
 from specfast.workloads import KINDS
 
 # As specfast.model.DTYPE_CHOICES and specfast.steps.COMPILE_CHOICES (a test checks), spelled out
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--corpus", metavar="PATH", help="an n-gram corpus file, saved after each turn")
     c.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    c.add_argument("--weights", choices=WEIGHTS_CHOICES, default="auto", help="auto, float, int8")
 
     b = sub.add_parser(
         "bench",
@@ -290,6 +292,13 @@ def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="compiled static-shape steps: auto (default) = on CUDA only, where they pay",
     )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS_CHOICES,
+        default="auto",
+        help="auto (default): int8 on CPUs where a timed step says it is faster (with --dtype "
+        "auto); float; int8 (CPU)",
+    )
 
 
 def runtime_header(model, device: str) -> str:
@@ -298,7 +307,10 @@ def runtime_header(model, device: str) -> str:
 
     step = "compiled" if getattr(model, "compiled_step", None) is not None else "eager"
     where = device if device != "cpu" else f"cpu ({cpu_flags_label()})"
-    return f"specfast: {str(model.dtype).removeprefix('torch.')}, {step} steps, on {where}"
+    weights = getattr(model, "weights", "float")
+    weights = f"int8 weights ({int8_kernel()})" if weights == "int8" else f"{weights} weights"
+    dtype = str(model.dtype).removeprefix("torch.")
+    return f"specfast: {dtype}, {weights}, {step} steps, on {where}"
 
 
 # ---------------------------------------------------------------------------- generate
@@ -398,7 +410,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specfast.workloads import render_chat
 
     model = specfast.load_model(
-        str(model_path), device=args.device, dtype=args.dtype, compile=args.compile
+        str(model_path),
+        device=args.device,
+        dtype=args.dtype,
+        compile=args.compile,
+        weights=args.weights,
     )
     print(runtime_header(model, args.device), file=sys.stderr)
     if args.chat:
@@ -467,7 +483,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     import specfast
     from specfast.chat import main_chat
 
-    model = specfast.load_model(str(model_path), device=args.device, dtype=args.dtype)
+    model = specfast.load_model(
+        str(model_path), device=args.device, dtype=args.dtype, weights=args.weights
+    )
     session = specfast.Session(
         model,
         drafter=None if args.drafter == "none" else "ngram",

@@ -12,17 +12,46 @@ float weights at the dtype "auto" chose. The choice is kept per CPU and model sh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from specfast._core import Int8Matrix, int8_kernel
 
 WEIGHTS_CHOICES = ("auto", "float", "int8")
+# Part of the cache key of "auto"'s timings: bump it when the int8 path's speed changes.
+KERNEL_VERSION = 1
+# Passes of up to this many tokens run torch's own ops on one thread: the int8 kernel has its
+# own threads (rayon), and torch's OpenMP workers spinning between ops beside them made a
+# SmolLM2 decode step 300+ ms instead of 20 (2 cores). Prefills keep torch's threads for
+# attention. (benches/bench_linear.py times the kernel alone.)
+INT8_SERIAL_ROWS = 64
+
+
+# "auto" considers int8 only for models with at least this many weights: below it a pass runs
+# from the CPU's caches, not memory, and the bytes int8 saves matter little.
+AUTO_MIN_WEIGHTS = 32_000_000
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to n inside the block."""
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def quantize(weight: torch.Tensor) -> Int8Matrix:
@@ -68,7 +97,8 @@ def _key(model, dtype: torch.dtype) -> str:
     c = model.config
     shape = (c.dim, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size)
     flags = " ".join(sorted(proc_cpu_flags() or ()))
-    raw = f"{flags}|{torch.__version__}|{int8_kernel()}|{torch.get_num_threads()}|{dtype}|{shape}"
+    raw = f"{KERNEL_VERSION}|{flags}|{torch.__version__}|{int8_kernel()}|"
+    raw += f"{torch.get_num_threads()}|{dtype}|{shape}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -85,9 +115,12 @@ def _step_seconds(model, steps: int = 6) -> float:
     return best
 
 
-def auto_weights(model) -> tuple[str, dict]:
-    """'int8' or 'float' for a CPU model at its dtype, and the timings behind the choice
-    (read from the cache when this CPU and shape were timed before)."""
+def auto_weights(model, load_int8: Callable[[], Any]) -> tuple[Any, dict]:
+    """The faster of `model` (float weights, at its dtype) and `load_int8()` on this CPU, and
+    the timings behind the choice. Timed once per CPU and model shape, then read from the
+    cache."""
+    if sum(p.numel() for p in model.parameters()) < AUTO_MIN_WEIGHTS:
+        return model, {"weights": "float", "reason": f"under {AUTO_MIN_WEIGHTS} weights"}
     path = _cache_path()
     key = _key(model, model.dtype)
     try:
@@ -98,17 +131,17 @@ def auto_weights(model) -> tuple[str, dict]:
         cache = {}
     hit = cache.get(key)
     if isinstance(hit, dict) and hit.get("weights") in ("int8", "float"):
-        return hit["weights"], hit
+        return (load_int8() if hit["weights"] == "int8" else model), hit
     with torch.inference_mode():
         t_float = _step_seconds(model)
-        model.quantize_int8()
-        t_int8 = _step_seconds(model)
+        int8_model = load_int8()
+        t_int8 = _step_seconds(int8_model)
     choice = "int8" if t_int8 < t_float else "float"
     entry = {
         "weights": choice,
         "float_ms": t_float * 1e3,
         "int8_ms": t_int8 * 1e3,
-        "dtype": str(model.dtype),
+        "float_dtype": str(model.dtype),
     }
     cache[key] = entry
     try:  # best effort: an unwritable cache only means timing again next time
@@ -118,4 +151,4 @@ def auto_weights(model) -> tuple[str, dict]:
         tmp.replace(path)
     except OSError:
         pass
-    return choice, entry
+    return (int8_model if choice == "int8" else model), entry

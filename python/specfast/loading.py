@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .int8 import auto_weights, check_weights
 from .model import Model, ModelConfig, resolve_device, resolve_dtype, trim_heap
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
@@ -36,7 +37,13 @@ def default_model_path() -> Path:
 
 
 def load_model(
-    path=None, device=None, dtype="auto", compile="auto", backend="specfast", **llama_kwargs
+    path=None,
+    device=None,
+    dtype="auto",
+    compile="auto",
+    backend="specfast",
+    weights="auto",
+    **llama_kwargs,
 ):
     """A GGUF file or a HF checkpoint folder (config.json + *.safetensors) -> Model.
 
@@ -63,10 +70,28 @@ def load_model(
         )
     from .steps import resolve_compile
 
+    weights = check_weights(weights)
     device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
+    if weights == "int8" and device.type != "cpu":
+        raise ValueError(f'weights="int8" runs on CPU only; the device is {device}')
     compiled = resolve_compile(compile, device)
+    try_int8 = weights == "auto" and dtype == "auto" and device.type == "cpu" and not compiled
+    if weights == "int8" and compiled:
+        raise ValueError('weights="int8" runs eagerly on CPU; pass compile="off" or "auto"')
     path = default_model_path() if path is None else Path(path)
+    if weights == "int8":
+        return _load(path, device, resolve_dtype(dtype, device) if dtype != "auto" else None, True)
+    model = _load(path, device, resolve_dtype(dtype, device), False)
+    if try_int8:
+        model, _ = auto_weights(model, lambda: _load(path, device, None, True))
+        if model.int8:
+            return model
+    return model.compile_steps() if compiled else model
+
+
+def _load(path: Path, device, dtype, int8: bool) -> Model:
+    """The model at `path` in `dtype` (None: float32), with int8 weights if asked."""
+    dtype = torch.float32 if dtype is None else dtype
     if path.is_dir():
         model = _load_hf_folder(path, dtype)
     elif path.is_file():
@@ -74,8 +99,10 @@ def load_model(
     else:
         raise FileNotFoundError(f"no model at {path}: expected a GGUF file or a checkpoint folder")
     model = model.to(device=device, dtype=dtype)
+    if int8:
+        model.quantize_int8().packed_weights()  # quantized now, so the float copies go now
     trim_heap()  # the loader's temporaries
-    return model.compile_steps() if compiled else model
+    return model
 
 
 def _build(config: ModelConfig, weights: dict[str, torch.Tensor], source: Path) -> Model:

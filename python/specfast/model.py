@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .int8 import Int8Matrix, dequantize, int8_kernel, int8_linear, quantize
+from .int8 import (
+    INT8_SERIAL_ROWS,
+    Int8Matrix,
+    dequantize,
+    int8_kernel,
+    int8_linear,
+    quantize,
+    torch_threads,
+)
 from .kv_cache import KVCache
 from .steps import BUCKETS, bucket, compile_step, static_capacity
 
@@ -149,6 +157,38 @@ def _linear(x, weight, packed=None, bias=None):
         y = int8_linear(x, packed)
         return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# Keys a row attends over are padded to a multiple of this (masked), so that a row sees the
+# same key length in a verify pass as in a one-token pass at its position.
+KEY_BUCKET = 64
+
+
+def attend_rows(q, k_cache, v_cache, pos: int, g: int) -> torch.Tensor:
+    """Attention of T query rows at positions pos.. over a layer's cache, each row computed
+    exactly as a one-row pass computes it: as one item of a batch, over the first
+    KEY_BUCKET-multiple of slots past its position, masked after it.
+
+    q (Hkv, g*T, hd); k_cache, v_cache (Hkv, S, hd) -> (Hkv, g*T, hd).
+    """
+    Hkv, gT, hd = q.shape
+    T, S = gT // g, k_cache.shape[1]
+    rows = q.view(Hkv, g, T, hd).permute(2, 0, 1, 3)  # (T, Hkv, g, hd): one item per row
+    out = torch.empty_like(rows)
+    t = 0
+    while t < T:  # rows whose key length is the same bucket go in one call
+        keys = min(S, -(-(pos + t + 1) // KEY_BUCKET) * KEY_BUCKET)
+        end = min(T, keys - pos) if keys < S else T
+        n = end - t
+        k = k_cache[None, :, :keys].expand(n, Hkv, keys, hd)
+        v = v_cache[None, :, :keys].expand(n, Hkv, keys, hd)
+        ids = torch.arange(keys, device=q.device)
+        seen = ids[None, :] <= torch.arange(pos + t, pos + end, device=q.device)[:, None]
+        out[t:end] = F.scaled_dot_product_attention(
+            rows[t:end], k, v, attn_mask=seen[:, None, None, :]
+        )
+        t = end
+    return out.permute(1, 2, 0, 3).reshape(Hkv, gT, hd)
 
 
 def trim_heap() -> None:
@@ -429,6 +469,12 @@ class Model(nn.Module):
         Writes the T new keys/values into the cache; does not move its length. Shapes follow the
         context: the eager path, for prefill and for CPU decoding.
         """
+        if self.int8 and ids.shape[0] <= INT8_SERIAL_ROWS:
+            with torch_threads(1):
+                return self._forward(ids, cache, pos, last_only, head, aux_layers)
+        return self._forward(ids, cache, pos, last_only, head, aux_layers)
+
+    def _forward(self, ids, cache, pos, last_only, head, aux_layers):
         c = self.config
         T, g = ids.shape[0], c.n_heads // c.n_kv_heads
         L = pos + T
@@ -443,7 +489,14 @@ class Model(nn.Module):
 
         def attend(i, q, k, v):  # q (Hkv, g*T, hd); k, v (Hkv, T, hd)
             k_all, v_all = cache.write(i, pos, k, v)  # (Hkv, L, hd)
+            if row_exact:
+                return attend_rows(q, cache.k[i], cache.v[i], pos, g)
             return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+        # int8 rounds every activation, so a last-bit difference between a verify pass's row
+        # and a one-token pass grows into a different token; int8 passes compute every part
+        # of a row as a one-row pass would.
+        row_exact = self.int8 and T <= INT8_SERIAL_ROWS
 
         packed = self.packed_weights()
         if aux_layers is None:

@@ -1,0 +1,199 @@
+"""int8 weights: the kernel against a float64 reference, rows that never depend on each other,
+and an int8 model whose speculative output equals its own plain output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import specfast
+from specfast import Model, ModelConfig
+from specfast._core import Int8Matrix, int8_kernel
+from specfast.int8 import dequantize, int8_linear
+
+KERNELS = [
+    k for k in ("scalar", "avx2", "avx512vnni") if k == "scalar" or int8_kernel() != "scalar"
+]
+if int8_kernel() != "avx512vnni":
+    KERNELS = [k for k in KERNELS if k != "avx512vnni"]
+
+
+def expected(m: Int8Matrix, x: np.ndarray, per_tensor: bool = False) -> np.ndarray:
+    """The product as the kernel defines it, with the integer sums in int64: each row of x
+    quantized symmetric to int8 with its own scale (or, for the negative control, one scale for
+    all rows), then (sum as float32) * (sx * sw) in float32."""
+    q, sw = m.weights()
+    x = x.astype(np.float32)
+    amax = np.abs(x).max(axis=None if per_tensor else 1, keepdims=True).astype(np.float32)
+    sx = np.broadcast_to(amax / np.float32(127), (x.shape[0], 1)).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        qx = np.where(sx > 0, np.clip(np.round(x / sx), -127, 127), 0).astype(np.int64)
+    acc = qx @ q.astype(np.int64).T  # (n, N), exact
+    return acc.astype(np.int32).astype(np.float32) * (sx * sw[None, :])
+
+
+def check_product(m: Int8Matrix, x: np.ndarray, out: np.ndarray) -> None:
+    np.testing.assert_array_equal(out, expected(m, x))
+    # and close to the float64 product with the dequantized weights
+    ref = x.astype(np.float64) @ dequantize(m).double().numpy().T
+    scale = np.abs(ref).max() + 1e-12
+    assert np.abs(out - ref).max() < 0.05 * scale
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    ("rows", "cols", "n"), [(1, 1, 1), (17, 5, 3), (16, 64, 8), (33, 130, 9), (700, 577, 17)]
+)
+def test_kernel_equals_the_reference(kernel, rows, cols, n):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
+    x = rng.standard_normal((n, cols), dtype=np.float32)
+    m = Int8Matrix(w)
+    out = np.empty((n, rows), np.float32)
+    m.matmul(x, out, kernel)
+    check_product(m, x, out)
+
+
+def test_a_kernel_that_drops_the_last_row_is_caught():
+    rng = np.random.default_rng(0)
+    m = Int8Matrix(rng.standard_normal((40, 96), dtype=np.float32))
+    x = rng.standard_normal((5, 96), dtype=np.float32)
+    out = np.zeros((5, 40), np.float32)
+    m.matmul(x[:-1], out[:-1])  # the last row never computed
+    with pytest.raises(AssertionError):
+        check_product(m, x, out)
+
+
+def test_rows_do_not_depend_on_each_other():
+    rng = np.random.default_rng(1)
+    m = Int8Matrix(rng.standard_normal((300, 200), dtype=np.float32))
+    x = rng.standard_normal((9, 200), dtype=np.float32)
+    x[4] *= 50  # one loud row: a shared activation scale would change every other row
+    out = np.empty((9, 300), np.float32)
+    m.matmul(x, out)
+    for r in range(9):
+        one = np.empty((1, 300), np.float32)
+        m.matmul(x[r : r + 1], one)
+        np.testing.assert_array_equal(one[0], out[r])
+    # negative control: per-tensor scales (fbgemm's dynamic linear) do not have this property
+    assert not np.array_equal(expected(m, x, per_tensor=True), out)
+
+
+def test_strided_and_batched_inputs_through_the_torch_glue():
+    w = torch.randn(48, 40)
+    m = Int8Matrix(w.numpy())
+    x = torch.randn(40, 6).t()  # (6, 40), not contiguous
+    y = int8_linear(x, m)
+    want = int8_linear(x.contiguous(), m)
+    assert torch.equal(y, want)
+    x3 = torch.randn(2, 3, 40)
+    assert torch.equal(int8_linear(x3, m).view(6, 48), int8_linear(x3.view(6, 40), m))
+    assert int8_linear(x.bfloat16(), m).dtype == torch.bfloat16
+
+
+def test_bad_input_is_a_clear_error():
+    m = Int8Matrix(np.ones((4, 8), np.float32))
+    with pytest.raises(ValueError, match=r"x must be \(n, 8\)"):
+        m.matmul(np.ones((2, 7), np.float32), np.empty((2, 4), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        m.matmul(np.ones((8, 2), np.float32).T, np.empty((2, 4), np.float32))
+    with pytest.raises(TypeError):
+        m.matmul(np.ones((2, 8), np.float64), np.empty((2, 4), np.float32))
+    with pytest.raises(ValueError, match="kernel must be"):
+        m.matmul(np.ones((2, 8), np.float32), np.empty((2, 4), np.float32), "fast")
+    with pytest.raises(ValueError, match="finite"):
+        Int8Matrix(np.array([[1.0, np.nan]], np.float32))
+    x = np.ones((2, 8), np.float32)
+    x[1, 3] = np.inf
+    out = np.empty((2, 4), np.float32)
+    m.matmul(x, out)
+    assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()  # the sampler then refuses it
+
+
+# -----------------------------------------------------------------------------
+# models
+
+
+def tiny_model() -> Model:
+    cfg = ModelConfig(
+        vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96
+    )
+    return Model.from_config(cfg, seed=3)
+
+
+def test_a_verify_pass_equals_one_token_passes_bit_for_bit():
+    model = tiny_model().quantize_int8()
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(0))
+    # across a key bucket's edge (64) and inside one
+    for pos, T in ((50, 17), (60, 9), (100, 1)):
+        d = model.decoder(256)
+        d.forward(ids[:pos])
+        whole = d.forward(ids[pos : pos + T])
+        d.rollback(pos)
+        rows = torch.cat([d.forward(ids[pos + i : pos + i + 1]) for i in range(T)])
+        assert torch.equal(whole, rows), (pos, T)
+
+
+def test_int8_tiny_speculation_equals_its_own_plain_greedy():
+    model = tiny_model().quantize_int8()
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 1, 2, 3]
+    want = specfast.generate(model, prompt, max_new_tokens=60, drafter=None).token_ids
+    for k in (1, 4, 16, "auto"):
+        out = specfast.generate(model, prompt, max_new_tokens=60, num_speculative_tokens=k)
+        assert out.token_ids == want, k
+
+
+@pytest.mark.smollm
+def test_int8_smollm_speculation_equals_its_own_plain_greedy(smollm_gguf, monkeypatch):
+    model = specfast.load_model(smollm_gguf, weights="int8")
+    assert model.weights == "int8" and model.dtype == torch.float32
+    prompts = [
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + ",
+        "Shall I compare thee to a summer's day? Thou art more lovely and more temperate: "
+        "Rough winds do shake the darling buds of May,",
+        "Rename the variable x to count:\ndef f(x):\n    y = x + 1\n    return x * y\n",
+    ]
+    for prompt in prompts:
+        want = specfast.generate(model, prompt, max_new_tokens=48, drafter=None).token_ids
+        for k in (1, 4, 16, "auto"):
+            out = specfast.generate(model, prompt, max_new_tokens=48, num_speculative_tokens=k)
+            assert out.token_ids == want, (prompt[:20], k)
+
+
+def test_per_tensor_activation_scales_break_speculative_exactness(monkeypatch):
+    """Negative control for the test above, on a tiny model so it needs no file: with one
+    activation scale shared by the rows of a pass, a verify pass no longer equals one-token
+    passes, and the speculative output drifts from plain greedy."""
+    import specfast.model as model_module
+
+    def per_tensor(x, m):
+        q, sw = m.weights()
+        x2 = x.reshape(-1, m.cols).float()
+        s = x2.abs().max().clamp_min(1e-30) / 127
+        qx = torch.round(x2 / s).clamp(-127, 127)
+        y = (qx.double() @ torch.from_numpy(q).double().T).float() * (s * torch.from_numpy(sw))
+        return y.view(*x.shape[:-1], m.rows).to(x.dtype)
+
+    model = tiny_model().quantize_int8()
+    ids = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(model_module, "int8_linear", per_tensor)
+    d = model.decoder(128)
+    d.forward(ids[:40])
+    whole = d.forward(ids[40:49])
+    d.rollback(40)
+    rows = torch.cat([d.forward(ids[40 + i : 41 + i]) for i in range(9)])
+    assert not torch.equal(whole, rows)
+
+
+def test_weights_option():
+    with pytest.raises(ValueError, match="weights must be one of"):
+        specfast.load_model(weights="int4")
+    with pytest.raises(ValueError, match="eagerly"):
+        specfast.load_model(weights="int8", compile="on")
+    model = tiny_model()
+    assert model.weights == "float"
+    model.quantize_int8()
+    assert model.weights == "int8" and "int8" in repr(model)
+    with pytest.raises(ValueError, match="eagerly"):
+        model.compile_steps()
