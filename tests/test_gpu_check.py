@@ -45,7 +45,7 @@ def rehearse(tmp_path: Path, **env) -> subprocess.CompletedProcess:
 
 
 def test_rehearsal_runs_from_the_installed_wheel_and_records_every_row(tmp_path):
-    p = rehearse(tmp_path, NS="1 2", REPEATS="2")
+    p = rehearse(tmp_path, NS="1 2", REPEATS="2", CPU_TESTS="0")  # CI runs those itself
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     # specfast came from the --target folder, not from the checkout's editable install
     assert "specfast /tmp/specfast-check." in p.stdout
@@ -61,9 +61,7 @@ def test_rehearsal_runs_from_the_installed_wheel_and_records_every_row(tmp_path)
     assert all(r["cudagraph_skips"] == 0 and r["fraction_of_bound"] > 0 for r in rows)
     summary = (out / "summary.txt").read_text().splitlines()
     assert len(summary) == len(rows) + 1 and summary[-1].startswith("4 rows, 0 failed")
-    assert (
-        "passed" in (out / "tests.log").read_text() or "skipped" in (out / "tests.log").read_text()
-    )
+    assert "skipped" in (out / "tests.log").read_text()  # the cuda-marked tests, collected
 
 
 def test_control_a_python_that_sees_site_packages_whole_is_refused(tmp_path):
