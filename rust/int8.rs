@@ -1,16 +1,18 @@
 //! Int8 matrix products for CPU decode and verify passes.
 //!
-//! Weights are quantized once, symmetrically, one scale per output row. Each activation row is
-//! quantized on its own at every call, with its own scale. Products accumulate exactly in i32,
-//! and the float epilogue `(acc as f32) * (sx[r] * sw[o])` is the same in every code path, so:
+//! Weights are quantized once, symmetrically, one scale per output row. Activations are
+//! quantized at every call, each row on its own, with one scale per group of 32 features (as
+//! llama.cpp's Q8 activation blocks: outlier channels then cost a group its precision, not the
+//! whole row). Each group's products sum exactly in i32; then, in every code path alike,
+//! `acc += (group sum as f32) * sx[r][g]` over the groups in order, and `out = acc * sw[o]`. So:
 //!
 //! - row r of a pass depends only on row r of the input: a verify pass over k+1 rows gives, row
 //!   for row, the bits that k+1 one-row passes give;
 //! - the scalar, AVX2 and AVX-512 VNNI paths give bit-identical results.
 //!
-//! Packed layout: blocks of 16 output rows; inside a block, groups of 4 input features, each
-//! group 16 rows × 4 bytes (64 bytes, one zmm). A pass reads every block once for all of its
-//! rows: 8 rows at a time, from L1 after the first 8.
+//! Packed layout: blocks of 16 output rows; inside a block, runs of 4 input features, each run
+//! 16 rows × 4 bytes (64 bytes, one zmm). A pass reads every block once for all of its rows: a
+//! few rows at a time, from L1 after the first few.
 
 use rayon::prelude::*;
 
@@ -18,12 +20,15 @@ use crate::error::Error;
 
 /// Output rows per packed block.
 const BLOCK: usize = 16;
-/// Activation rows a kernel call accumulates at once (registers: 8 zmm accumulators).
-const ROWS: usize = 8;
-/// Blocks a kernel call reads at once (8 rows x 2 blocks: 16 zmm accumulators).
+/// Input features per activation scale.
+pub const GROUP: usize = 32;
+/// Activation rows a kernel call accumulates at once (VNNI: 4 rows × 2 blocks × an integer and
+/// a float accumulator = 16 of the 32 zmm registers).
+const ROWS: usize = 4;
+/// Blocks a kernel call reads at once: each activation broadcast feeds two products.
 const PAIR: usize = 2;
-/// Above this many input features an i32 accumulator could overflow (255 * 127 * K < 2^31).
-pub const MAX_COLS: usize = 65_536;
+/// Above this many input features an i32 could overflow somewhere (checked at construction).
+pub const MAX_COLS: usize = 1 << 20;
 /// Matrices smaller than this many weights run on one thread (a fork costs more than it saves).
 const PARALLEL_MIN: usize = 1 << 16;
 
@@ -93,9 +98,9 @@ impl Kernel {
     }
 }
 
-/// Symmetric int8 quantization of one row: (scale, values), scale = max|x| / 127, values
-/// round-half-even(x / scale). An all-zero row has scale 0 and values 0.
-fn quantize_row(x: &[f32], out: &mut [i8]) -> f32 {
+/// Symmetric int8 quantization of `x` into `out`: scale = max|x| / 127, values
+/// round-half-even(x / scale). All zeros give scale 0 and values 0.
+fn quantize(x: &[f32], out: &mut [i8]) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
         out.fill(0);
@@ -113,10 +118,9 @@ fn quantize_row(x: &[f32], out: &mut [i8]) -> f32 {
 pub struct Int8Matrix {
     rows: usize,
     cols: usize,
-    groups: usize,     // ceil(cols / 4)
-    packed: Vec<i8>,   // [ceil(rows / 16)][groups][16][4]
-    scales: Vec<f32>,  // (rows,) one per output row, padded to whole blocks with 0
-    offsets: Vec<i32>, // (rows,) 128 * the row's int8 sum (the VNNI path's u8 offset), padded
+    width: usize,     // cols padded to whole groups
+    packed: Vec<i8>,  // [ceil(rows / 16)][width / 4][16][4]
+    scales: Vec<f32>, // (rows,) one per output row, padded to whole blocks with 0
 }
 
 impl Int8Matrix {
@@ -143,27 +147,25 @@ impl Int8Matrix {
                 "weights must be finite to quantize, found {bad}"
             )));
         }
-        let groups = cols.div_ceil(4);
+        let width = cols.next_multiple_of(GROUP);
+        let runs = width / 4;
         let blocks = rows.div_ceil(BLOCK);
-        let mut packed = vec![0i8; blocks * groups * BLOCK * 4];
+        let mut packed = vec![0i8; blocks * runs * BLOCK * 4];
         let mut scales = vec![0.0f32; blocks * BLOCK];
-        let mut offsets = vec![0i32; blocks * BLOCK];
         let mut q = vec![0i8; cols];
         for o in 0..rows {
-            scales[o] = quantize_row(&weight[o * cols..(o + 1) * cols], &mut q);
-            offsets[o] = 128 * q.iter().map(|&v| i32::from(v)).sum::<i32>();
+            scales[o] = quantize(&weight[o * cols..(o + 1) * cols], &mut q);
             let (b, lane) = (o / BLOCK, o % BLOCK);
             for (k, &v) in q.iter().enumerate() {
-                packed[((b * groups + k / 4) * BLOCK + lane) * 4 + k % 4] = v;
+                packed[((b * runs + k / 4) * BLOCK + lane) * 4 + k % 4] = v;
             }
         }
         Ok(Int8Matrix {
             rows,
             cols,
-            groups,
+            width,
             packed,
             scales,
-            offsets,
         })
     }
 
@@ -182,12 +184,12 @@ impl Int8Matrix {
 
     /// The quantized weights, row-major (rows, cols), and the scale of each row.
     pub fn weights(&self) -> (Vec<i8>, Vec<f32>) {
+        let runs = self.width / 4;
         let mut q = vec![0i8; self.rows * self.cols];
         for o in 0..self.rows {
             let (b, lane) = (o / BLOCK, o % BLOCK);
             for k in 0..self.cols {
-                q[o * self.cols + k] =
-                    self.packed[((b * self.groups + k / 4) * BLOCK + lane) * 4 + k % 4];
+                q[o * self.cols + k] = self.packed[((b * runs + k / 4) * BLOCK + lane) * 4 + k % 4];
             }
         }
         (q, self.scales[..self.rows].to_vec())
@@ -220,37 +222,20 @@ impl Int8Matrix {
         if n == 0 {
             return Ok(());
         }
-        // Activations: each row quantized with its own scale, padded with zeros to whole
-        // groups; the VNNI path reads them as u8 (q + 128) and subtracts 128 * Σw afterwards.
-        let width = self.groups * 4;
-        let mut xq = vec![0i8; n * width];
-        let mut sx = vec![0.0f32; n];
-        let mut bad = vec![false; n];
-        for r in 0..n {
-            let row = &x[r * self.cols..(r + 1) * self.cols];
-            bad[r] = row.iter().any(|v| !v.is_finite());
-            sx[r] = quantize_row(row, &mut xq[r * width..r * width + self.cols]);
-        }
-        if kernel == Kernel::Avx512Vnni {
-            for v in &mut xq {
-                *v = (v.cast_unsigned() ^ 0x80).cast_signed();
-            }
-        }
+        let acts = Activations::quantize(x, n, self.cols, self.width, kernel);
         let blocks = self.rows.div_ceil(BLOCK);
         let out_ptr = SendPtr(out.as_mut_ptr());
-        let block_len = self.groups * BLOCK * 4;
+        let block_len = self.width * BLOCK;
         let run = |range: std::ops::Range<usize>| {
-            let mut acc = vec![0i32; ROWS * PAIR * BLOCK];
+            let mut acc = vec![0.0f32; ROWS * PAIR * BLOCK];
             let mut b = range.start;
             while b < range.end {
-                // Two blocks at a time: each activation broadcast feeds two products.
                 let nb = PAIR.min(range.end - b);
                 let w = &self.packed[b * block_len..(b + nb) * block_len];
                 for r0 in (0..n).step_by(ROWS) {
                     let m = ROWS.min(n - r0);
-                    let xs = &xq[r0 * width..(r0 + m) * width];
-                    dot_blocks(kernel, w, nb, xs, width, m, &mut acc);
-                    self.epilogue(b, nb, r0, m, &acc, &sx, &bad, kernel, out_ptr);
+                    dot_blocks(kernel, w, nb, &acts, r0, m, &mut acc);
+                    self.epilogue(b, nb, r0, m, &acc, &acts.bad, out_ptr);
                 }
                 b += nb;
             }
@@ -258,10 +243,8 @@ impl Int8Matrix {
         if self.rows * self.cols < PARALLEL_MIN || rayon::current_num_threads() == 1 {
             run(0..blocks);
         } else {
-            let chunk = blocks
-                .div_ceil(rayon::current_num_threads())
-                .max(1)
-                .next_multiple_of(PAIR);
+            let threads = rayon::current_num_threads();
+            let chunk = blocks.div_ceil(threads).max(1).next_multiple_of(PAIR);
             (0..blocks)
                 .step_by(chunk)
                 .collect::<Vec<_>>()
@@ -271,8 +254,7 @@ impl Int8Matrix {
         Ok(())
     }
 
-    /// Writes the columns of blocks b..b+nb of rows r0..r0+m:
-    /// (acc - offset) as f32 * (sx[r] * sw[o]).
+    /// Writes the columns of blocks b..b+nb of rows r0..r0+m: acc * sw[o].
     #[allow(clippy::too_many_arguments)]
     fn epilogue(
         &self,
@@ -280,20 +262,12 @@ impl Int8Matrix {
         nb: usize,
         r0: usize,
         m: usize,
-        acc: &[i32],
-        sx: &[f32],
+        acc: &[f32],
         bad: &[bool],
-        kernel: Kernel,
         out: SendPtr,
     ) {
         let o0 = b * BLOCK;
         let width = (nb * BLOCK).min(self.rows - o0);
-        let zeros = [0i32; PAIR * BLOCK];
-        let offsets = if kernel == Kernel::Avx512Vnni {
-            &self.offsets[o0..o0 + width]
-        } else {
-            &zeros[..width]
-        };
         let scales = &self.scales[o0..o0 + width];
         for i in 0..m {
             let r = r0 + i;
@@ -306,11 +280,58 @@ impl Int8Matrix {
                 continue;
             }
             let a = &acc[i * nb * BLOCK..i * nb * BLOCK + width];
-            let s = sx[r];
-            for (((y, &a), &off), &sw) in row.iter_mut().zip(a).zip(offsets).zip(scales) {
-                *y = ((a - off) as f32) * (s * sw);
+            for ((y, &a), &sw) in row.iter_mut().zip(a).zip(scales) {
+                *y = a * sw;
             }
         }
+    }
+}
+
+/// A pass's activations: (n, width) int8 values (as u8 = q + 128 for the VNNI path, which
+/// subtracts 128 · Σw afterwards), one scale per row and group, and which rows were not finite.
+struct Activations {
+    q: Vec<i8>,
+    scales: Vec<f32>, // (n, width / GROUP)
+    bad: Vec<bool>,
+    width: usize,
+}
+
+impl Activations {
+    fn quantize(x: &[f32], n: usize, cols: usize, width: usize, kernel: Kernel) -> Activations {
+        let groups = width / GROUP;
+        let mut q = vec![0i8; n * width];
+        let mut scales = vec![0.0f32; n * groups];
+        let mut bad = vec![false; n];
+        for r in 0..n {
+            let row = &x[r * cols..(r + 1) * cols];
+            bad[r] = row.iter().any(|v| !v.is_finite());
+            for g in 0..groups {
+                let (lo, hi) = (g * GROUP, ((g + 1) * GROUP).min(cols));
+                if lo < hi {
+                    let dst = &mut q[r * width + lo..r * width + hi];
+                    scales[r * groups + g] = quantize(&row[lo..hi], dst);
+                }
+            }
+        }
+        if kernel == Kernel::Avx512Vnni {
+            for v in &mut q {
+                *v = (v.cast_unsigned() ^ 0x80).cast_signed();
+            }
+        }
+        Activations {
+            q,
+            scales,
+            bad,
+            width,
+        }
+    }
+
+    fn rows(&self, r0: usize, m: usize) -> (&[i8], &[f32]) {
+        let groups = self.width / GROUP;
+        (
+            &self.q[r0 * self.width..(r0 + m) * self.width],
+            &self.scales[r0 * groups..(r0 + m) * groups],
+        )
     }
 }
 
@@ -320,64 +341,59 @@ struct SendPtr(*mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
-/// acc[i * nb * 16 + j * 16 + lane] = Σ_k x[i][k] · w[j][lane][k] for the m ≤ 8 rows of `xs`
-/// and the nb ≤ 2 blocks of `w`.
+/// acc[i * nb * 16 + j * 16 + lane] = Σ_g (Σ_{k in g} x[i][k] · w[j][lane][k]) · sx[i][g] for
+/// rows r0..r0+m (m ≤ 4) and the nb ≤ 2 blocks of `w`.
 fn dot_blocks(
     kernel: Kernel,
     w: &[i8],
     nb: usize,
-    xs: &[i8],
-    width: usize,
+    acts: &Activations,
+    r0: usize,
     m: usize,
-    acc: &mut [i32],
+    acc: &mut [f32],
 ) {
+    let width = acts.width;
+    let (xs, sx) = acts.rows(r0, m);
     debug_assert!(m <= ROWS && nb <= PAIR && w.len() == nb * width * BLOCK);
-    debug_assert!(xs.len() == m * width && acc.len() >= m * nb * BLOCK);
     match kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `supported()` checked that the CPU has these instructions; the slices'
         // lengths are the ones the kernels read.
-        Kernel::Avx512Vnni => unsafe { x86::dot_vnni(w, nb, xs, width, m, acc) },
-        #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => {
-            for j in 0..nb {
-                let wj = &w[j * width * BLOCK..(j + 1) * width * BLOCK];
-                let mut one = [0i32; ROWS * BLOCK];
-                unsafe { x86::dot_avx2(wj, xs, width, m, &mut one) };
-                scatter(&one, j, nb, m, acc);
-            }
-        }
+        Kernel::Avx512Vnni => unsafe { x86::dot_vnni(w, nb, xs, sx, width, m, acc) },
         _ => {
             for j in 0..nb {
                 let wj = &w[j * width * BLOCK..(j + 1) * width * BLOCK];
-                let mut one = [0i32; ROWS * BLOCK];
-                dot_scalar(wj, xs, width, m, &mut one);
-                scatter(&one, j, nb, m, acc);
+                let mut one = [0.0f32; ROWS * BLOCK];
+                match kernel {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as above.
+                    Kernel::Avx2 => unsafe { x86::dot_avx2(wj, xs, sx, width, m, &mut one) },
+                    _ => dot_scalar(wj, xs, sx, width, m, &mut one),
+                }
+                for i in 0..m {
+                    let dst = i * nb * BLOCK + j * BLOCK;
+                    acc[dst..dst + BLOCK].copy_from_slice(&one[i * BLOCK..(i + 1) * BLOCK]);
+                }
             }
         }
     }
 }
 
-fn dot_scalar(w: &[i8], xs: &[i8], width: usize, m: usize, acc: &mut [i32]) {
+fn dot_scalar(w: &[i8], xs: &[i8], sx: &[f32], width: usize, m: usize, acc: &mut [f32]) {
+    let groups = width / GROUP;
     for i in 0..m {
         let x = &xs[i * width..(i + 1) * width];
         for lane in 0..BLOCK {
-            let mut s = 0i32;
-            for g in 0..width / 4 {
-                for t in 0..4 {
-                    s += i32::from(x[g * 4 + t]) * i32::from(w[(g * BLOCK + lane) * 4 + t]);
+            let mut total = 0.0f32;
+            for g in 0..groups {
+                let mut s = 0i32;
+                for k in g * GROUP..(g + 1) * GROUP {
+                    s += i32::from(x[k]) * i32::from(w[((k / 4) * BLOCK + lane) * 4 + k % 4]);
                 }
+                total += (s as f32) * sx[i * groups + g];
             }
-            acc[i * BLOCK + lane] = s;
+            acc[i * BLOCK + lane] = total;
         }
-    }
-}
-
-/// Copies one block's (m, 16) sums into column block j of an (m, nb * 16) layout.
-fn scatter(one: &[i32], j: usize, nb: usize, m: usize, acc: &mut [i32]) {
-    for i in 0..m {
-        let dst = i * nb * BLOCK + j * BLOCK;
-        acc[dst..dst + BLOCK].copy_from_slice(&one[i * BLOCK..(i + 1) * BLOCK]);
     }
 }
 
@@ -386,30 +402,27 @@ fn scatter(one: &[i32], j: usize, nb: usize, m: usize, acc: &mut [i32]) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{BLOCK, ROWS};
+    use super::{BLOCK, GROUP, ROWS};
 
-    /// VNNI: one vpdpbusd per row, block and group of 4 features (u8 activations, s8
-    /// weights); each broadcast of a row's 4 activations feeds both blocks of a pair.
+    /// VNNI: one vpdpbusd per row, block and run of 4 features (u8 activations, s8 weights);
+    /// each broadcast of a row's 4 activations feeds both blocks of a pair.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub unsafe fn dot_vnni(
         w: &[i8],
         nb: usize,
         xs: &[i8],
+        sx: &[f32],
         width: usize,
         m: usize,
-        acc: &mut [i32],
+        acc: &mut [f32],
     ) {
         macro_rules! rows {
             ($nb:literal) => {
                 match m {
-                    1 => vnni::<1, $nb>(w, xs, width, acc),
-                    2 => vnni::<2, $nb>(w, xs, width, acc),
-                    3 => vnni::<3, $nb>(w, xs, width, acc),
-                    4 => vnni::<4, $nb>(w, xs, width, acc),
-                    5 => vnni::<5, $nb>(w, xs, width, acc),
-                    6 => vnni::<6, $nb>(w, xs, width, acc),
-                    7 => vnni::<7, $nb>(w, xs, width, acc),
-                    _ => vnni::<ROWS, $nb>(w, xs, width, acc),
+                    1 => vnni::<1, $nb>(w, xs, sx, width, acc),
+                    2 => vnni::<2, $nb>(w, xs, sx, width, acc),
+                    3 => vnni::<3, $nb>(w, xs, sx, width, acc),
+                    _ => vnni::<ROWS, $nb>(w, xs, sx, width, acc),
                 }
             };
         }
@@ -424,72 +437,110 @@ mod x86 {
     unsafe fn vnni<const R: usize, const B: usize>(
         w: &[i8],
         xs: &[i8],
+        sx: &[f32],
         width: usize,
-        acc: &mut [i32],
+        acc: &mut [f32],
     ) {
-        let mut a = [[_mm512_setzero_si512(); B]; R];
+        let groups = width / GROUP;
+        let block_len = width * BLOCK;
+        let bias = _mm512_set1_epi8(-128); // 0x80: 128 as u8, for 128 · Σw
         let wp = w.as_ptr();
         let xp = xs.as_ptr();
-        let block_len = width * BLOCK;
-        for g in 0..width / 4 {
-            let mut wv = [_mm512_setzero_si512(); B];
-            for (j, v) in wv.iter_mut().enumerate() {
-                *v = _mm512_loadu_si512(wp.add(j * block_len + g * 64).cast());
+        let mut total = [[_mm512_setzero_ps(); B]; R];
+        for g in 0..groups {
+            let mut sums = [[_mm512_setzero_si512(); B]; R];
+            let mut offset = [_mm512_setzero_si512(); B];
+            for run in g * GROUP / 4..(g + 1) * GROUP / 4 {
+                let mut wv = [_mm512_setzero_si512(); B];
+                for (j, v) in wv.iter_mut().enumerate() {
+                    *v = _mm512_loadu_si512(wp.add(j * block_len + run * 64).cast());
+                    offset[j] = _mm512_dpbusd_epi32(offset[j], bias, *v);
+                }
+                for (i, si) in sums.iter_mut().enumerate() {
+                    let x4 = xp.add(i * width + run * 4).cast::<i32>().read_unaligned();
+                    let xv = _mm512_set1_epi32(x4);
+                    for (sij, v) in si.iter_mut().zip(&wv) {
+                        *sij = _mm512_dpbusd_epi32(*sij, xv, *v);
+                    }
+                }
             }
-            for (i, ai) in a.iter_mut().enumerate() {
-                let x4 = xp.add(i * width + g * 4).cast::<i32>().read_unaligned();
-                let xv = _mm512_set1_epi32(x4);
-                for (aij, v) in ai.iter_mut().zip(&wv) {
-                    *aij = _mm512_dpbusd_epi32(*aij, xv, *v);
+            for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                let scale = _mm512_set1_ps(sx[i * groups + g]);
+                for ((tij, sij), off) in ti.iter_mut().zip(si).zip(&offset) {
+                    let exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(*sij, *off));
+                    *tij = _mm512_add_ps(*tij, _mm512_mul_ps(exact, scale));
                 }
             }
         }
-        for (i, ai) in a.iter().enumerate() {
-            for (j, aij) in ai.iter().enumerate() {
-                _mm512_storeu_si512(acc.as_mut_ptr().add((i * B + j) * BLOCK).cast(), *aij);
+        for (i, ti) in total.iter().enumerate() {
+            for (j, tij) in ti.iter().enumerate() {
+                _mm512_storeu_ps(acc.as_mut_ptr().add((i * B + j) * BLOCK), *tij);
             }
         }
     }
 
     /// AVX2: vpmaddubsw on |x| and sign(x)·w (pairs stay within i16: 2 · 127 · 127), then
-    /// vpmaddwd with ones into i32; two ymm halves of 8 output rows each.
+    /// vpmaddwd with ones into i32; two ymm halves of 8 output rows each; 2 rows at a time.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn dot_avx2(w: &[i8], xs: &[i8], width: usize, m: usize, acc: &mut [i32]) {
+    pub unsafe fn dot_avx2(
+        w: &[i8],
+        xs: &[i8],
+        sx: &[f32],
+        width: usize,
+        m: usize,
+        acc: &mut [f32],
+    ) {
+        let groups = width / GROUP;
         let mut i = 0;
         while i < m {
-            match m - i {
-                1 => avx2_rows::<1>(w, &xs[i * width..], width, &mut acc[i * BLOCK..]),
-                2 => avx2_rows::<2>(w, &xs[i * width..], width, &mut acc[i * BLOCK..]),
-                3 => avx2_rows::<3>(w, &xs[i * width..], width, &mut acc[i * BLOCK..]),
-                _ => avx2_rows::<4>(w, &xs[i * width..], width, &mut acc[i * BLOCK..]),
+            let (x, s, a) = (&xs[i * width..], &sx[i * groups..], &mut acc[i * BLOCK..]);
+            if m - i == 1 {
+                avx2_rows::<1>(w, x, s, width, a);
+            } else {
+                avx2_rows::<2>(w, x, s, width, a);
             }
-            i += 4;
+            i += 2;
         }
     }
 
     #[target_feature(enable = "avx2")]
-    unsafe fn avx2_rows<const R: usize>(w: &[i8], xs: &[i8], width: usize, acc: &mut [i32]) {
+    unsafe fn avx2_rows<const R: usize>(
+        w: &[i8],
+        xs: &[i8],
+        sx: &[f32],
+        width: usize,
+        acc: &mut [f32],
+    ) {
+        let groups = width / GROUP;
         let ones = _mm256_set1_epi16(1);
-        let mut lo = [_mm256_setzero_si256(); R];
-        let mut hi = [_mm256_setzero_si256(); R];
         let wp = w.as_ptr();
         let xp = xs.as_ptr();
-        for g in 0..width / 4 {
-            let w0 = _mm256_loadu_si256(wp.add(g * 64).cast());
-            let w1 = _mm256_loadu_si256(wp.add(g * 64 + 32).cast());
-            for i in 0..R {
-                let x4 = xp.add(i * width + g * 4).cast::<i32>().read_unaligned();
-                let xv = _mm256_set1_epi32(x4);
-                let ax = _mm256_sign_epi8(xv, xv); // |x|
-                let p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv));
-                let p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv));
-                lo[i] = _mm256_add_epi32(lo[i], _mm256_madd_epi16(p0, ones));
-                hi[i] = _mm256_add_epi32(hi[i], _mm256_madd_epi16(p1, ones));
+        let mut total = [[_mm256_setzero_ps(); 2]; R];
+        for g in 0..groups {
+            let mut sums = [[_mm256_setzero_si256(); 2]; R];
+            for run in g * GROUP / 4..(g + 1) * GROUP / 4 {
+                let w0 = _mm256_loadu_si256(wp.add(run * 64).cast());
+                let w1 = _mm256_loadu_si256(wp.add(run * 64 + 32).cast());
+                for (i, si) in sums.iter_mut().enumerate() {
+                    let x4 = xp.add(i * width + run * 4).cast::<i32>().read_unaligned();
+                    let xv = _mm256_set1_epi32(x4);
+                    let ax = _mm256_sign_epi8(xv, xv); // |x|
+                    let p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv));
+                    let p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv));
+                    si[0] = _mm256_add_epi32(si[0], _mm256_madd_epi16(p0, ones));
+                    si[1] = _mm256_add_epi32(si[1], _mm256_madd_epi16(p1, ones));
+                }
+            }
+            for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                let scale = _mm256_set1_ps(sx[i * groups + g]);
+                for (tij, sij) in ti.iter_mut().zip(si) {
+                    *tij = _mm256_add_ps(*tij, _mm256_mul_ps(_mm256_cvtepi32_ps(*sij), scale));
+                }
             }
         }
-        for i in 0..R {
-            _mm256_storeu_si256(acc.as_mut_ptr().add(i * BLOCK).cast(), lo[i]);
-            _mm256_storeu_si256(acc.as_mut_ptr().add(i * BLOCK + 8).cast(), hi[i]);
+        for (i, ti) in total.iter().enumerate() {
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK), ti[0]);
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK + 8), ti[1]);
         }
     }
 }
@@ -509,19 +560,28 @@ mod tests {
             .collect()
     }
 
-    /// The product from the quantized values, with integer sums in i64.
+    /// The product from the quantized values, with each group's sum in i64.
     fn reference(m: &Int8Matrix, x: &[f32], n: usize) -> Vec<f32> {
         let (q, sw) = m.weights();
         let mut out = vec![0.0; n * m.rows];
-        let mut xq = vec![0i8; m.cols];
         for r in 0..n {
             let row = &x[r * m.cols..(r + 1) * m.cols];
-            let sx = quantize_row(row, &mut xq);
+            let mut xq = vec![0i8; m.cols];
+            let mut scales = vec![];
+            for lo in (0..m.cols).step_by(GROUP) {
+                let hi = (lo + GROUP).min(m.cols);
+                scales.push(quantize(&row[lo..hi], &mut xq[lo..hi]));
+            }
             for o in 0..m.rows {
-                let s: i64 = (0..m.cols)
-                    .map(|k| i64::from(xq[k]) * i64::from(q[o * m.cols + k]))
-                    .sum();
-                out[r * m.rows + o] = (s as i32 as f32) * (sx * sw[o]);
+                let mut total = 0.0f32;
+                for (g, &s) in scales.iter().enumerate() {
+                    let lo = g * GROUP;
+                    let sum: i64 = (lo..(lo + GROUP).min(m.cols))
+                        .map(|k| i64::from(xq[k]) * i64::from(q[o * m.cols + k]))
+                        .sum();
+                    total += (sum as i32 as f32) * s;
+                }
+                out[r * m.rows + o] = total * sw[o];
             }
         }
         out
@@ -542,6 +602,7 @@ mod tests {
             (48, 64, 9),
             (33, 130, 17),
             (300, 577, 2),
+            (1000, 96, 5), // parallel
         ] {
             let w = lcg(rows as u64, rows * cols);
             let m = Int8Matrix::quantize(&w, rows, cols).unwrap();
@@ -557,7 +618,7 @@ mod tests {
 
     #[test]
     fn a_row_does_not_depend_on_the_other_rows() {
-        let (rows, cols) = (70, 200);
+        let (rows, cols) = (700, 200); // big enough to run on several threads
         let m = Int8Matrix::quantize(&lcg(1, rows * cols), rows, cols).unwrap();
         let mut x = lcg(2, 9 * cols);
         x[5 * cols] = 40.0; // one row with a large value: a shared scale would move every row
@@ -582,11 +643,8 @@ mod tests {
         for r in 0..n {
             for o in 0..rows {
                 let exact: f32 = (0..cols).map(|k| x[r * cols + k] * w[o * cols + k]).sum();
-                assert!(
-                    (out[r * rows + o] - exact).abs() < 0.05,
-                    "{} vs {exact}",
-                    out[r * rows + o]
-                );
+                let got = out[r * rows + o];
+                assert!((got - exact).abs() < 0.03, "{got} vs {exact}");
             }
         }
     }
@@ -610,7 +668,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn kernels_agree(rows in 1usize..40, cols in 1usize..70, n in 1usize..20, seed in 0u64..1000) {
+        fn kernels_agree(rows in 1usize..40, cols in 1usize..100, n in 1usize..12, seed in 0u64..1000) {
             let m = Int8Matrix::quantize(&lcg(seed, rows * cols), rows, cols).unwrap();
             let x = lcg(seed + 1, n * cols);
             let want = reference(&m, &x, n);

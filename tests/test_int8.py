@@ -19,18 +19,27 @@ if int8_kernel() != "avx512vnni":
     KERNELS = [k for k in KERNELS if k != "avx512vnni"]
 
 
+GROUP = 32  # input features per activation scale
+
+
 def expected(m: Int8Matrix, x: np.ndarray, per_tensor: bool = False) -> np.ndarray:
-    """The product as the kernel defines it, with the integer sums in int64: each row of x
-    quantized symmetric to int8 with its own scale (or, for the negative control, one scale for
-    all rows), then (sum as float32) * (sx * sw) in float32."""
+    """The product as the kernel defines it, with integer sums in int64: each row of x
+    quantized symmetric to int8 with one scale per group of 32 features (or, for the negative
+    control, one scale per group shared by all rows); then, in float32, group by group,
+    acc += (group sum) * sx, and out = acc * sw."""
     q, sw = m.weights()
     x = x.astype(np.float32)
-    amax = np.abs(x).max(axis=None if per_tensor else 1, keepdims=True).astype(np.float32)
-    sx = np.broadcast_to(amax / np.float32(127), (x.shape[0], 1)).astype(np.float32)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        qx = np.where(sx > 0, np.clip(np.round(x / sx), -127, 127), 0).astype(np.int64)
-    acc = qx @ q.astype(np.int64).T  # (n, N), exact
-    return acc.astype(np.int32).astype(np.float32) * (sx * sw[None, :])
+    n = x.shape[0]
+    acc = np.zeros((n, m.rows), np.float32)
+    for lo in range(0, m.cols, GROUP):
+        xg = x[:, lo : lo + GROUP]
+        amax = np.abs(xg).max(axis=None if per_tensor else 1, keepdims=True)
+        sx = np.broadcast_to(amax.astype(np.float32) / np.float32(127), (n, 1))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            qx = np.where(sx > 0, np.clip(np.round(xg / sx), -127, 127), 0).astype(np.int64)
+        sums = qx @ q[:, lo : lo + GROUP].astype(np.int64).T  # (n, N), exact
+        acc = acc + sums.astype(np.int32).astype(np.float32) * sx
+    return acc * sw[None, :]
 
 
 def check_product(m: Int8Matrix, x: np.ndarray, out: np.ndarray) -> None:
