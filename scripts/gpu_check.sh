@@ -64,8 +64,8 @@ if [ -z "$WHEEL" ]; then
     echo "no wheel in .whl/: run 'bash scripts/build_wheel.sh' where Rust is, and carry .whl" >&2
     exit 1
 fi
-python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-index --no-deps --no-compile \
-    --target "$WORK/lib" "$WHEEL"
+python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
+    --no-index --no-deps --no-compile --target "$WORK/lib" "$WHEEL"
 # A wheel built before the last Python edit would test old code: say so, and run this tree's.
 STALE="$(diff -rq -x '*.so' -x __pycache__ python/specfast "$WORK/lib/specfast" 2>&1 || true)"
 if [ -n "$STALE" ]; then
@@ -109,7 +109,6 @@ if ! "${PY[@]}" -c "$CHECK" $AVOID >"$WORK/check.txt" 2>&1; then
     log "the isolated Python failed (above); falling back to python3 with the wheel first"
     PY=(env PYTHONPATH="$WORK/lib" python3)
     "${PY[@]}" -c 'import os, specfast; assert specfast.__file__.startswith(os.environ["SPECFAST_LIB"])'
-
 fi
 {
     cat "$WORK/check.txt"
