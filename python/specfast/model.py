@@ -164,30 +164,43 @@ def _linear(x, weight, packed=None, bias=None):
 KEY_BUCKET = 64
 
 
-def attend_rows(q, k_cache, v_cache, pos: int, g: int) -> torch.Tensor:
-    """Attention of T query rows at positions pos.. over a layer's cache, each row computed
-    exactly as a one-row pass computes it: as one item of a batch, over the first
-    KEY_BUCKET-multiple of slots past its position, masked after it.
+def row_groups(pos: int, T: int, capacity: int, device) -> list[tuple[int, int, torch.Tensor]]:
+    """For T query rows at positions pos..: (first row, end row, mask (n, 1, 1, keys)) per run of
+    rows whose key length (their position + 1, padded to a KEY_BUCKET multiple) is the same."""
+    groups = []
+    t = 0
+    while t < T:
+        keys = min(capacity, -(-(pos + t + 1) // KEY_BUCKET) * KEY_BUCKET)
+        end = min(T, keys - pos) if keys < capacity else T
+        slots = torch.arange(keys, device=device)
+        seen = slots[None, :] <= torch.arange(pos + t, pos + end, device=device)[:, None]
+        groups.append((t, end, seen[:, None, None, :]))  # (n, 1, 1, keys)
+        t = end
+    return groups
+
+
+def attend_rows(q, k_cache, v_cache, groups, g: int) -> torch.Tensor:
+    """Attention of T query rows over a layer's cache, each row computed exactly as a one-row
+    pass computes it: as one item of a batch, over its group's padded key length, masked past
+    its position (row_groups).
 
     q (Hkv, g*T, hd); k_cache, v_cache (Hkv, S, hd) -> (Hkv, g*T, hd).
     """
     Hkv, gT, hd = q.shape
-    T, S = gT // g, k_cache.shape[1]
-    rows = q.view(Hkv, g, T, hd).permute(2, 0, 1, 3)  # (T, Hkv, g, hd): one item per row
-    out = torch.empty_like(rows)
-    t = 0
-    while t < T:  # rows whose key length is the same bucket go in one call
-        keys = min(S, -(-(pos + t + 1) // KEY_BUCKET) * KEY_BUCKET)
-        end = min(T, keys - pos) if keys < S else T
-        n = end - t
-        k = k_cache[None, :, :keys].expand(n, Hkv, keys, hd)
-        v = v_cache[None, :, :keys].expand(n, Hkv, keys, hd)
-        ids = torch.arange(keys, device=q.device)
-        seen = ids[None, :] <= torch.arange(pos + t, pos + end, device=q.device)[:, None]
-        out[t:end] = F.scaled_dot_product_attention(
-            rows[t:end], k, v, attn_mask=seen[:, None, None, :]
-        )
-        t = end
+    rows = q.view(Hkv, g, gT // g, hd).permute(2, 0, 1, 3)  # (T, Hkv, g, hd): one item a row
+    if len(groups) == 1:
+        t, end, seen = groups[0]
+        keys = seen.shape[-1]
+        k = k_cache[None, :, :keys].expand(end - t, Hkv, keys, hd)
+        v = v_cache[None, :, :keys].expand(end - t, Hkv, keys, hd)
+        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=seen)
+    else:
+        out = torch.empty_like(rows)
+        for t, end, seen in groups:
+            keys = seen.shape[-1]
+            k = k_cache[None, :, :keys].expand(end - t, Hkv, keys, hd)
+            v = v_cache[None, :, :keys].expand(end - t, Hkv, keys, hd)
+            out[t:end] = F.scaled_dot_product_attention(rows[t:end], k, v, attn_mask=seen)
     return out.permute(1, 2, 0, 3).reshape(Hkv, gT, hd)
 
 
@@ -489,14 +502,16 @@ class Model(nn.Module):
 
         def attend(i, q, k, v):  # q (Hkv, g*T, hd); k, v (Hkv, T, hd)
             k_all, v_all = cache.write(i, pos, k, v)  # (Hkv, L, hd)
-            if row_exact:
-                return attend_rows(q, cache.k[i], cache.v[i], pos, g)
+            if groups:
+                return attend_rows(q, cache.k[i], cache.v[i], groups, g)
             return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
         # int8 rounds every activation, so a last-bit difference between a verify pass's row
         # and a one-token pass grows into a different token; int8 passes compute every part
         # of a row as a one-row pass would.
-        row_exact = self.int8 and T <= INT8_SERIAL_ROWS
+        groups = None
+        if self.int8 and T <= INT8_SERIAL_ROWS:
+            groups = row_groups(pos, T, cache.k.shape[2], ids.device)
 
         packed = self.packed_weights()
         if aux_layers is None:
@@ -573,7 +588,9 @@ class Model(nn.Module):
         x = F.rms_norm(x, (self.config.dim,), self.norm, self.config.norm_eps)
         if head is not None:
             return head(x)  # (T, S)
-        return _linear(x, self.output_weight, packed[-1] if packed else None)  # (T, V)
+        if packed:  # (output_weight would rebuild a dense copy of a packed head: not read)
+            return _linear(x, None, packed[-1])  # (T, V)
+        return F.linear(x, self.output_weight)  # (T, V)
 
 
 class OutputRows:
