@@ -31,6 +31,7 @@ import torch
 from specfast.model import Model
 from specfast.runtime import copy_decoder, make_decoder, model_facts, tokenizer_vocab
 from specfast.sampling import copy_generator, logits_to_probs
+from specfast.steps import to_device
 
 # A draft model whose vocabulary is larger than twice this proposes from its this-many lowest
 # token ids plus every token of the sequence (see DraftVocabulary); "auto" in generate().
@@ -137,7 +138,7 @@ class DraftModelDrafter:
         if not self.committed or k <= 0:
             return []
         keep = self._rollback_point()
-        feed = torch.tensor(self.committed[keep:], dtype=torch.long, device=self.device)
+        feed = to_device(self.committed[keep:], self.device)  # no blocking upload
         drafts, qs, confidences = [], [], []
         vocab = self.vocab
         head = {"head": vocab.head} if vocab is not None else {}  # transformers drafts: none

@@ -17,6 +17,7 @@ from specfast.drafters import Proposal, Verified, _Base, _observe_model, clone_n
 from specfast.eagle import EagleHead, check_config_for_target, eagle_target, load_eagle
 from specfast.kv_cache import KVCache
 from specfast.sampling import copy_generator, logits_to_probs
+from specfast.steps import to_device
 
 
 class FastLinears:
@@ -192,7 +193,7 @@ class EagleDraft(_Base):
         """Runs the head over positions [fed, fed + n) with the target's features there and
         the committed tokens one ahead -> out_hidden of the last row (1, H)."""
         pos, n = self.fed, features.shape[0]
-        tokens = torch.tensor(self.committed[pos + 1 : pos + 1 + n], device=self.device)
+        tokens = to_device(self.committed[pos + 1 : pos + 1 + n], self.device)  # not blocking
         hidden = self.fast("fc", features.to(self.head.fc.weight.dtype))  # (n, H)
         return self._step(hidden, tokens)[-1:]
 

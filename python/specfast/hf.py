@@ -11,6 +11,7 @@ import torch
 
 from .kv_cache import check_rollback
 from .model import Model, check_ids
+from .steps import to_device
 
 
 def is_hf_model(obj) -> bool:
@@ -84,8 +85,7 @@ class HFDecoder:
 
     def greedy_ids(self, tokens: list[int]) -> list[int]:
         """forward_greedy over a list of ids -> the argmax id of every row, as ints."""
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.forward_greedy(ids).tolist()
+        return self.forward_greedy(to_device(tokens, self.device)).tolist()  # the one sync
 
     def rollback(self, length: int) -> None:
         check_rollback(length, self._length)

@@ -25,8 +25,8 @@ from .int8 import (
     quantize,
     torch_threads,
 )
-from .kv_cache import KVCache
-from .steps import BUCKETS, bucket, compile_step, static_capacity
+from .kv_cache import KVCache, static_cache
+from .steps import BUCKETS, bucket, compile_step, static_capacity, to_device
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPES.update({"bf16": torch.bfloat16, "float": torch.float32})
@@ -690,12 +690,22 @@ class Decoder:
         self.step = model.compiled_step
         if self.step is not None:
             model._restore_plain()  # a compiled step reads the plain weights, not the packed
-        # A compiled step needs a fixed cache shape: a power-of-two capacity (steps.py).
-        capacity = max_length if self.step is None else static_capacity(max_length)
-        self.cache = KVCache(
-            c.n_layers, c.n_kv_heads, capacity, c.head_dim, model.device, model.dtype
-        )
-        model.rope(capacity)
+        if self.step is None:
+            self.cache = KVCache(
+                c.n_layers, c.n_kv_heads, max_length, c.head_dim, model.device, model.dtype
+            )
+            model.rope(max_length)
+        else:
+            # A compiled step needs a fixed cache shape: a power-of-two capacity (steps.py), on
+            # buffers kept per model and capacity, so the CUDA graphs recorded for their
+            # addresses replay for the next decoder too.
+            capacity = static_capacity(max_length)
+            self.cache = static_cache(model, capacity)
+            # The same tensors every pass, marked static: CUDA graphs read them in place
+            # instead of copying them in before each replay.
+            self._tables = tuple(t[:capacity] for t in model.rope(capacity))
+            for t in self._tables:
+                torch._dynamo.mark_static_address(t, guard=False)
 
     @property
     def length(self) -> int:
@@ -745,8 +755,8 @@ class Decoder:
 
     def greedy_ids(self, tokens: list[int]) -> list[int]:
         """forward_greedy over a list of ids -> the argmax id of every row, as ints."""
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
-        return self.forward_greedy(ids).tolist()
+        # Uploaded without a blocking copy: the ids coming back are the round's one host sync.
+        return self.forward_greedy(to_device(tokens, self.model.device)).tolist()
 
     def _is_static(self, ids, last_only, head) -> bool:
         return self.step is not None and not last_only and head is None and len(ids) <= BUCKETS[-1]
@@ -755,14 +765,14 @@ class Decoder:
         """The compiled step over ids padded to a bucket -> (logits (T, V), argmax (T,))."""
         T, pos = ids.shape[0], self.cache.length
         B, C = bucket(T), self.cache.k.shape[2]
-        cos, sin = self.model.rope(C)
+        cos, sin = self._tables  # (C, hd) each
         with torch.inference_mode():  # inputs made here are inference tensors, like the cache
             padded = torch.zeros(B, dtype=torch.long, device=ids.device)
             padded[:T] = ids
             # Padding rows sit at slot C - 1, which no live query sees. No host arithmetic on
             # device values, so no sync.
             positions = torch.arange(pos, pos + B, device=ids.device).clamp_max_(C - 1)
-            logits, top = self.step(padded, positions, self.cache.k, self.cache.v, cos[:C], sin[:C])
+            logits, top = self.step(padded, positions, self.cache.k, self.cache.v, cos, sin)
         self.cache.length = pos + T
         # CUDA graphs reuse their output buffers on the next replay: hand out copies.
         return logits[:T].clone(), top[:T].clone()
