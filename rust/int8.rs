@@ -14,8 +14,6 @@
 //! 16 rows × 4 bytes (64 bytes, one zmm). A pass reads every block once for all of its rows: a
 //! few rows at a time, from L1 after the first few.
 
-use rayon::prelude::*;
-
 use crate::error::Error;
 
 /// Output rows per packed block.
@@ -29,8 +27,8 @@ const ROWS: usize = 4;
 const PAIR: usize = 2;
 /// Above this many input features an i32 could overflow somewhere (checked at construction).
 pub const MAX_COLS: usize = 1 << 20;
-/// Matrices smaller than this many weights run on one thread (a fork costs more than it saves).
-const PARALLEL_MIN: usize = 1 << 16;
+/// Matrices smaller than this many weights run on one thread (a split costs more than it saves).
+const PARALLEL_MIN: usize = 1 << 15;
 
 /// Which instruction set a product runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -240,16 +238,12 @@ impl Int8Matrix {
                 b += nb;
             }
         };
-        if self.rows * self.cols < PARALLEL_MIN || rayon::current_num_threads() == 1 {
+        if self.rows * self.cols < PARALLEL_MIN || blocks < 2 * PAIR {
             run(0..blocks);
         } else {
-            let threads = rayon::current_num_threads();
-            let chunk = blocks.div_ceil(threads).max(1).next_multiple_of(PAIR);
-            (0..blocks)
-                .step_by(chunk)
-                .collect::<Vec<_>>()
-                .into_par_iter()
-                .for_each(|start| run(start..(start + chunk).min(blocks)));
+            // Two halves at once: this thread and the helper (see helper.rs).
+            let mid = (blocks / 2).next_multiple_of(PAIR);
+            crate::helper::join(|| run(0..mid), || run(mid..blocks));
         }
         Ok(())
     }

@@ -6,6 +6,7 @@
 //! - [`corpus`]: saving a drafter's corpus to a versioned, checksummed file and loading it back.
 //! - [`accept`]: greedy verification and residual rejection sampling.
 //! - [`int8`]: int8 matrix products whose rows are quantized, and so computed, independently.
+//! - [`helper`]: a second thread that splits a short job in two without a wake-up delay.
 //! - [`tiles`]: restoring llama.cpp's AMX tile configuration after torch released it.
 //! - [`error`]: the error type, turned into Python exceptions only at the boundary.
 //!
@@ -17,6 +18,7 @@ pub mod bigvec;
 pub mod corpus;
 pub mod drafter;
 pub mod error;
+pub mod helper;
 pub mod int8;
 pub mod tiles;
 

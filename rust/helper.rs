@@ -1,0 +1,188 @@
+//! A second thread for splitting a short job in two, woken in well under a microsecond.
+//!
+//! A decode pass makes ~120 matrix products of 10-100 µs each, with torch's own ops between
+//! them. A general pool (rayon) parks its workers after a few microseconds idle, and waking one
+//! costs 20-30 µs on these VMs, as much as it saves. This helper spins for a while after each
+//! job (`SPIN`, a few hundred microseconds: longer than the gaps inside a pass) before it
+//! parks, so during a generation it is always awake, and when generation stops it sleeps.
+//!
+//! One caller at a time: a second concurrent caller runs its whole job on its own thread.
+
+use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::thread::{self, Thread};
+
+const IDLE: u8 = 0;
+const POSTED: u8 = 1;
+const DONE: u8 = 2;
+/// Spin iterations before the helper parks (about 0.2-0.5 ms).
+const SPIN: u32 = 200_000;
+
+type Job = *const (dyn Fn() + Sync);
+
+struct Helper {
+    state: AtomicU8,
+    sleeping: AtomicBool,
+    panicked: AtomicBool,
+    job: UnsafeCell<Option<Job>>,
+    thread: Thread,
+    caller: Mutex<()>,
+}
+
+// SAFETY: `job` is written only by the caller holding `caller`, before it publishes POSTED
+// (release), and read only by the helper after it sees POSTED (acquire).
+unsafe impl Sync for Helper {}
+unsafe impl Send for Helper {}
+
+static HELPER: OnceLock<Option<&'static Helper>> = OnceLock::new();
+
+fn helper() -> Option<&'static Helper> {
+    *HELPER.get_or_init(|| {
+        if thread::available_parallelism().map_or(1, std::num::NonZero::get) < 2 {
+            return None;
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<&'static Helper>();
+        let handle = thread::Builder::new()
+            .name("specfast-int8".into())
+            .spawn(move || {
+                let Ok(h) = rx.recv() else { return };
+                serve(h);
+            })
+            .ok()?;
+        let h: &'static Helper = Box::leak(Box::new(Helper {
+            state: AtomicU8::new(IDLE),
+            sleeping: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
+            job: UnsafeCell::new(None),
+            thread: handle.thread().clone(),
+            caller: Mutex::new(()),
+        }));
+        tx.send(h).ok()?;
+        Some(h)
+    })
+}
+
+fn serve(h: &Helper) {
+    loop {
+        let mut spins = 0;
+        while h.state.load(Ordering::Acquire) != POSTED {
+            if spins < SPIN {
+                std::hint::spin_loop();
+                spins += 1;
+            } else {
+                h.sleeping.store(true, Ordering::SeqCst);
+                if h.state.load(Ordering::SeqCst) != POSTED {
+                    thread::park();
+                }
+                h.sleeping.store(false, Ordering::SeqCst);
+                spins = 0;
+            }
+        }
+        // SAFETY: POSTED was published after the job was written; the caller keeps the
+        // closure alive until it sees DONE.
+        let job = unsafe { (*h.job.get()).take() };
+        if let Some(job) = job {
+            let ok = catch_unwind(AssertUnwindSafe(|| unsafe { (*job)() })).is_ok();
+            h.panicked.store(!ok, Ordering::Relaxed);
+        }
+        h.state.store(DONE, Ordering::Release);
+    }
+}
+
+/// Runs `a` on this thread and `b` on the helper at once, and returns when both are done.
+/// Without a helper (one CPU, or another caller using it) both run here, `a` then `b`.
+pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
+    let Some(h) = helper() else {
+        a();
+        b();
+        return;
+    };
+    let Ok(_guard) = h.caller.try_lock() else {
+        a();
+        b();
+        return;
+    };
+    let job: &(dyn Fn() + Sync) = &b;
+    // SAFETY: the helper only calls the job before storing DONE, and this function does not
+    // return (or unwind: `a` is caught below) before it has seen DONE, so the borrow outlives
+    // every use. The transmute only erases that lifetime.
+    let job: Job = unsafe { std::mem::transmute::<&(dyn Fn() + Sync), Job>(job) };
+    unsafe { *h.job.get() = Some(job) };
+    h.state.store(POSTED, Ordering::SeqCst);
+    if h.sleeping.load(Ordering::SeqCst) {
+        h.thread.unpark();
+    }
+    let mine = catch_unwind(AssertUnwindSafe(&a));
+    while h.state.load(Ordering::Acquire) != DONE {
+        std::hint::spin_loop();
+    }
+    h.state.store(IDLE, Ordering::Release);
+    let theirs_panicked = h.panicked.swap(false, Ordering::Relaxed);
+    if let Err(p) = mine {
+        std::panic::resume_unwind(p);
+    }
+    assert!(
+        !theirs_panicked,
+        "the int8 helper thread's half of a job panicked"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn both_halves_run_every_time() {
+        let n = AtomicUsize::new(0);
+        for _ in 0..10_000 {
+            join(
+                || {
+                    n.fetch_add(1, Ordering::Relaxed);
+                },
+                || {
+                    n.fetch_add(1_000_000, Ordering::Relaxed);
+                },
+            );
+        }
+        assert_eq!(n.load(Ordering::Relaxed), 10_000 * 1_000_001);
+    }
+
+    #[test]
+    fn after_the_helper_slept() {
+        let n = AtomicUsize::new(0);
+        join(|| (), || ());
+        std::thread::sleep(std::time::Duration::from_millis(50)); // long past SPIN: parked
+        join(
+            || (),
+            || {
+                n.fetch_add(1, Ordering::Relaxed);
+            },
+        );
+        assert_eq!(n.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn concurrent_callers() {
+        let total = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..2_000 {
+                        join(
+                            || {
+                                total.fetch_add(1, Ordering::Relaxed);
+                            },
+                            || {
+                                total.fetch_add(1, Ordering::Relaxed);
+                            },
+                        );
+                    }
+                });
+            }
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 4 * 2_000 * 2);
+    }
+}
