@@ -105,6 +105,22 @@ def check_k(num_speculative_tokens) -> int | None:
     return k
 
 
+def _is_messages(prompt) -> bool:
+    """True for a list of chat messages; a malformed one is a TypeError naming the form."""
+    if not isinstance(prompt, (list, tuple)) or not prompt or not isinstance(prompt[0], dict):
+        return False
+    for m in prompt:
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
+            raise TypeError(
+                f'chat messages must be dicts like {{"role": "user", "content": "..."}}, got {m!r}'
+            )
+    return True
+
+
 def _prompt_ids(prompt, tokenizer, vocab_size: int, device: torch.device) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -279,6 +295,10 @@ def generate(
         streamer=streamer,
         ignore_eos=ignore_eos,
     )
+    if _is_messages(prompt):  # chat messages: the model's own chat template, as pipelines do
+        from specfast.workloads import render_chat
+
+        prompt = render_chat(prompt, getattr(model, "chat_template", None))
     prompt_ids = _prompt_ids(prompt, tokenizer, vocab_size, device)
     if len(prompt_ids) + max_new_tokens > max_context:
         raise ValueError(
