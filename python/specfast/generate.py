@@ -28,6 +28,7 @@ from specfast.sampling import (
     sample_rows,
 )
 from specfast.steps import to_device
+from specfast.workloads import render_chat
 
 MAX_SPECULATIVE_TOKENS = 64
 
@@ -296,8 +297,6 @@ def generate(
         ignore_eos=ignore_eos,
     )
     if _is_messages(prompt):  # chat messages: the model's own chat template, as pipelines do
-        from specfast.workloads import render_chat
-
         prompt = render_chat(prompt, getattr(model, "chat_template", None))
     prompt_ids = _prompt_ids(prompt, tokenizer, vocab_size, device)
     if len(prompt_ids) + max_new_tokens > max_context:

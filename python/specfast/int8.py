@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from specfast._core import Int8Matrix, int8_kernel
+from specfast.hardware import proc_cpu_flags
 
 WEIGHTS_CHOICES = ("auto", "float", "int8")
 # Part of the cache key of "auto"'s timings: bump it when the int8 path's speed changes.
@@ -92,8 +93,6 @@ def _cache_path() -> Path:
 
 
 def _key(model, dtype: torch.dtype) -> str:
-    from specfast.hardware import proc_cpu_flags
-
     c = model.config
     shape = (c.dim, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size)
     flags = " ".join(sorted(proc_cpu_flags() or ()))

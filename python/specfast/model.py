@@ -188,19 +188,13 @@ def attend_rows(q, k_cache, v_cache, groups, g: int) -> torch.Tensor:
     """
     Hkv, gT, hd = q.shape
     rows = q.view(Hkv, g, gT // g, hd).permute(2, 0, 1, 3)  # (T, Hkv, g, hd): one item a row
-    if len(groups) == 1:
-        t, end, seen = groups[0]
+    outs = []
+    for t, end, seen in groups:
         keys = seen.shape[-1]
         k = k_cache[None, :, :keys].expand(end - t, Hkv, keys, hd)
         v = v_cache[None, :, :keys].expand(end - t, Hkv, keys, hd)
-        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=seen)
-    else:
-        out = torch.empty_like(rows)
-        for t, end, seen in groups:
-            keys = seen.shape[-1]
-            k = k_cache[None, :, :keys].expand(end - t, Hkv, keys, hd)
-            v = v_cache[None, :, :keys].expand(end - t, Hkv, keys, hd)
-            out[t:end] = F.scaled_dot_product_attention(rows[t:end], k, v, attn_mask=seen)
+        outs.append(F.scaled_dot_product_attention(rows[t:end], k, v, attn_mask=seen))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.permute(1, 2, 0, 3).reshape(Hkv, gT, hd)
 
 
