@@ -6,6 +6,10 @@
 //! job (`SPIN`, a few hundred microseconds: longer than the gaps inside a pass) before it
 //! parks, so during a generation it is always awake, and when generation stops it sleeps.
 //!
+//! A job the helper has not started by the time the caller finishes its own half is taken back
+//! and run by the caller: on a loaded machine the helper may not be scheduled for milliseconds,
+//! and the caller then loses nothing by having posted it.
+//!
 //! One caller at a time: a second concurrent caller runs its whole job on its own thread.
 
 use std::cell::UnsafeCell;
@@ -16,7 +20,8 @@ use std::thread::{self, Thread};
 
 const IDLE: u8 = 0;
 const POSTED: u8 = 1;
-const DONE: u8 = 2;
+const RUNNING: u8 = 2;
+const DONE: u8 = 3;
 /// Spin iterations before the helper parks (about 0.2-0.5 ms).
 const SPIN: u32 = 200_000;
 
@@ -80,8 +85,15 @@ fn serve(h: &Helper) {
                 spins = 0;
             }
         }
-        // SAFETY: POSTED was published after the job was written; the caller keeps the
-        // closure alive until it sees DONE.
+        // Claim the job, unless the caller took it back first.
+        if h.state
+            .compare_exchange(POSTED, RUNNING, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            continue;
+        }
+        // SAFETY: POSTED was published after the job was written, and the claim above makes
+        // this thread its only reader; the caller keeps the closure alive until it sees DONE.
         let job = unsafe { (*h.job.get()).take() };
         if let Some(job) = job {
             let ok = catch_unwind(AssertUnwindSafe(|| unsafe { (*job)() })).is_ok();
@@ -105,9 +117,10 @@ pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
         return;
     };
     let job: &(dyn Fn() + Sync) = &b;
-    // SAFETY: the helper only calls the job before storing DONE, and this function does not
-    // return (or unwind: `a` is caught below) before it has seen DONE, so the borrow outlives
-    // every use. The transmute only erases that lifetime.
+    // SAFETY: the helper only calls the job after claiming it and before storing DONE, and this
+    // function does not return (or unwind: `a` is caught below) before it has seen DONE or
+    // taken the job back unclaimed, so the borrow outlives every use. The transmute only
+    // erases that lifetime.
     let job: Job = unsafe { std::mem::transmute::<&(dyn Fn() + Sync), Job>(job) };
     unsafe { *h.job.get() = Some(job) };
     h.state.store(POSTED, Ordering::SeqCst);
@@ -115,11 +128,25 @@ pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
         h.thread.unpark();
     }
     let mine = catch_unwind(AssertUnwindSafe(&a));
-    while h.state.load(Ordering::Acquire) != DONE {
-        std::hint::spin_loop();
-    }
-    h.state.store(IDLE, Ordering::Release);
-    let theirs_panicked = h.panicked.swap(false, Ordering::Relaxed);
+    let theirs_panicked = if h
+        .state
+        .compare_exchange(POSTED, IDLE, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+    {
+        // Taken back before the helper claimed it: it will not touch the job now.
+        unsafe { *h.job.get() = None };
+        if let Err(p) = mine {
+            std::panic::resume_unwind(p);
+        }
+        b();
+        return;
+    } else {
+        while h.state.load(Ordering::Acquire) != DONE {
+            std::hint::spin_loop();
+        }
+        h.state.store(IDLE, Ordering::Release);
+        h.panicked.swap(false, Ordering::Relaxed)
+    };
     if let Err(p) = mine {
         std::panic::resume_unwind(p);
     }
@@ -162,6 +189,26 @@ mod tests {
             },
         );
         assert_eq!(n.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_slow_first_half_still_runs_both() {
+        let n = AtomicUsize::new(0);
+        for _ in 0..200 {
+            join(
+                || std::thread::sleep(std::time::Duration::from_micros(50)),
+                || {
+                    n.fetch_add(1, Ordering::Relaxed);
+                },
+            );
+            join(
+                || {
+                    n.fetch_add(1, Ordering::Relaxed);
+                },
+                || (),
+            );
+        }
+        assert_eq!(n.load(Ordering::Relaxed), 400);
     }
 
     #[test]

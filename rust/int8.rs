@@ -98,6 +98,11 @@ impl Kernel {
 
 /// Symmetric int8 quantization of `x` into `out`: scale = max|x| / 127, values
 /// round-half-even(x / scale). All zeros give scale 0 and values 0.
+/// Adding and taking away 1.5 · 2^23 rounds |t| < 2^22 to the nearest integer, ties to even, as
+/// round_ties_even does, but in vector code on any x86-64 (round_ties_even is a libm call per
+/// value without SSE4.1, which was most of a 9-row product's time).
+const ROUND: f32 = 12_582_912.0;
+
 fn quantize(x: &[f32], out: &mut [i8]) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
@@ -106,7 +111,8 @@ fn quantize(x: &[f32], out: &mut [i8]) -> f32 {
     }
     let scale = amax / 127.0;
     for (q, v) in out.iter_mut().zip(x) {
-        *q = (v / scale).round_ties_even().clamp(-127.0, 127.0) as i8;
+        let t = (v / scale).clamp(-127.0, 127.0);
+        *q = ((t + ROUND) - ROUND) as i8;
     }
     scale
 }
