@@ -6,6 +6,8 @@
 //! - [`corpus`]: saving a drafter's corpus to a versioned, checksummed file and loading it back.
 //! - [`accept`]: greedy verification and residual rejection sampling.
 //! - [`int8`]: int8 matrix products whose rows are quantized, and so computed, independently.
+//! - [`attention`]: causal attention whose rows are computed, like int8's, independently.
+//! - [`layer`]: one int8 transformer layer in one call, rows computed independently.
 //! - [`helper`]: a second thread that splits a short job in two without a wake-up delay.
 //! - [`tiles`]: restoring llama.cpp's AMX tile configuration after torch released it.
 //! - [`error`]: the error type, turned into Python exceptions only at the boundary.
@@ -13,6 +15,7 @@
 //! All PyO3 code lives in the `python` module, compiled only with the `python` feature.
 
 pub mod accept;
+pub mod attention;
 pub mod automaton;
 pub mod bigvec;
 pub mod corpus;
@@ -20,6 +23,7 @@ pub mod drafter;
 pub mod error;
 pub mod helper;
 pub mod int8;
+pub mod layer;
 pub mod tiles;
 
 #[cfg(feature = "python")]

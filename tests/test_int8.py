@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import specfast
 from specfast import Model, ModelConfig
-from specfast._core import Int8Matrix, int8_kernel
+from specfast._core import Int8Matrix, int8_kernel, row_attention
 from specfast.int8 import dequantize, int8_linear
 
 KERNELS = [
@@ -118,6 +119,25 @@ def test_bad_input_is_a_clear_error():
     out = np.empty((2, 4), np.float32)
     m.matmul(x, out)
     assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()  # the sampler then refuses it
+
+
+def test_row_attention_matches_torch_attention():
+    H, Hkv, T, hd, S, pos = 6, 2, 5, 32, 40, 20
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(H, T, hd, generator=gen)  # (H, T, hd): head h reads kv head h // 3
+    k, v = torch.randn(2, Hkv, S, hd, generator=gen)
+    out = torch.empty_like(q)
+    row_attention(q.numpy(), k.numpy(), v.numpy(), out.numpy(), pos)
+    g = H // Hkv
+    seen = torch.ones(T, pos + T, dtype=torch.bool).tril_(pos).repeat(g, 1)
+    want = F.scaled_dot_product_attention(
+        q.view(Hkv, g * T, hd), k[:, : pos + T], v[:, : pos + T], attn_mask=seen
+    )
+    torch.testing.assert_close(out, want.view(H, T, hd), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="do not fit"):
+        row_attention(q.numpy(), k.numpy(), v.numpy(), out.numpy(), S - T + 1)
+    with pytest.raises(ValueError, match="same hd"):
+        row_attention(q.numpy(), k[..., :16].contiguous().numpy(), v.numpy(), out.numpy(), pos)
 
 
 # -----------------------------------------------------------------------------

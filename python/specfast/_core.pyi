@@ -17,6 +17,8 @@ __all__ = [
     "amx_usable",
     "ggml_tile_restorer",
     "int8_kernel",
+    "int8_layer",
+    "row_attention",
     "rule_tables",
     "uniforms",
 ]
@@ -62,6 +64,34 @@ class Int8Matrix:
     def nbytes(self) -> int: ...
 
 def int8_kernel() -> str: ...
+def int8_layer(
+    x: npt.NDArray[np.float32],
+    attn_norm: npt.NDArray[np.float32],
+    qkv: Int8Matrix,
+    qkv_bias: npt.NDArray[np.float32] | None,
+    o: Int8Matrix,
+    ffn_norm: npt.NDArray[np.float32],
+    gate_up: Int8Matrix,
+    down: Int8Matrix,
+    cos: npt.NDArray[np.float32],
+    sin: npt.NDArray[np.float32],
+    k_cache: npt.NDArray[np.float32],
+    v_cache: npt.NDArray[np.float32],
+    pos: int,
+    heads: int,
+    eps: float,
+) -> None: ...
+
+# ---- attention -----------------------------------------------------------------------------------
+
+def row_attention(
+    q: npt.NDArray[np.float32],
+    k: npt.NDArray[np.float32],
+    v: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
+    pos: int,
+    path: str = "auto",
+) -> None: ...
 
 # ---- drafter -----------------------------------------------------------------------------------
 

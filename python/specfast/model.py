@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specfast._core import int8_layer
 
 from .int8 import (
     INT8_SERIAL_ROWS,
@@ -502,17 +505,21 @@ class Model(nn.Module):
 
         # int8 rounds every activation, so a last-bit difference between a verify pass's row
         # and a one-token pass grows into a different token; int8 passes compute every part
-        # of a row as a one-row pass would.
+        # of a row as a one-row pass would. In float32 on CPU each layer is one call into the
+        # core (rust/layer.rs); in other dtypes torch computes attention row by row.
+        layers = self._layers
         groups = None
-        if self.int8 and T <= INT8_SERIAL_ROWS:
+        if self.int8 and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu":
+            layers = functools.partial(self._int8_layers, cache=cache, pos=pos)
+        elif self.int8 and T <= INT8_SERIAL_ROWS:
             groups = row_groups(pos, T, cache.k.shape[2], ids.device)
 
         packed = self.packed_weights()
         if aux_layers is None:
-            x = self._layers(self.embed(ids), cos, sin, attend, packed)
+            x = layers(self.embed(ids), cos, sin, attend, packed)
             return self._head(x[-1:] if last_only else x, head, packed)
         aux: dict = dict.fromkeys(aux_layers)
-        x = self._layers(self.embed(ids), cos, sin, attend, packed, aux)
+        x = layers(self.embed(ids), cos, sin, attend, packed, aux)
         features = torch.cat([aux[i] for i in aux_layers], dim=-1)  # (T, n*D)
         return self._head(x[-1:] if last_only else x, head, packed), features
 
@@ -576,6 +583,36 @@ class Model(nn.Module):
             h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
             gate, up = _linear(h, layer.w_gate_up.weight, pw[2]).chunk(2, dim=-1)  # (T, F) each
             x = x + _linear(F.silu(gate) * up, layer.w_down.weight, pw[3])
+        return x
+
+    def _int8_layers(self, x, cos, sin, attend, packed, aux=None, *, cache, pos) -> torch.Tensor:
+        """_layers for int8 weights in float32 on CPU: one core call a layer, in place on x.
+        cos, sin (T, 1, hd); `attend` is unused (the core attends)."""
+        c = self.config
+        x = x.float().contiguous()  # (T, D)
+        cos, sin = cos[:, 0].contiguous().numpy(), sin[:, 0].contiguous().numpy()  # (T, hd)
+        for i, layer in enumerate(self.layers):
+            if aux is not None and i in aux:
+                aux[i] = x.clone()  # (x changes in place)
+            qkv, o, gate_up, down = packed[i]
+            bias = layer.wqkv.bias
+            int8_layer(
+                x.numpy(),
+                layer.attn_norm.detach().numpy(),
+                qkv,
+                None if bias is None else bias.detach().numpy(),
+                o,
+                layer.ffn_norm.detach().numpy(),
+                gate_up,
+                down,
+                cos,
+                sin,
+                cache.k[i].numpy(),
+                cache.v[i].numpy(),
+                pos,
+                c.n_heads,
+                c.norm_eps,
+            )
         return x
 
     def _head(self, x, head, packed) -> torch.Tensor:

@@ -23,7 +23,7 @@ type QuantizedWeights<'py> = (Bound<'py, PyArray2<i8>>, Bound<'py, PyArray1<f32>
 /// A weight matrix (out_features, in_features) quantized to int8, one scale per output row.
 #[pyclass(frozen, name = "Int8Matrix", module = "specfast._core")]
 pub struct PyInt8Matrix {
-    inner: int8::Int8Matrix,
+    pub(crate) inner: int8::Int8Matrix,
 }
 
 #[pymethods]

@@ -7,8 +7,10 @@ use pyo3::prelude::*;
 use crate::error::Error;
 
 mod accept;
+mod attention;
 mod drafter;
 mod int8;
+mod layer;
 
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
@@ -43,7 +45,9 @@ fn ggml_tile_restorer() -> usize {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     drafter::register(m)?;
     accept::register(m)?;
+    attention::register(m)?;
     int8::register(m)?;
+    layer::register(m)?;
     m.add_function(wrap_pyfunction!(amx_usable, m)?)?;
     m.add_function(wrap_pyfunction!(ggml_tile_restorer, m)?)?;
     Ok(())

@@ -1,0 +1,993 @@
+//! Causal attention over a KV cache for passes of a few query rows, each row computed on its
+//! own, in an order that does not depend on how many rows the pass holds.
+//!
+//! A verify pass over k+1 tokens has to give, row for row, exactly what k+1 one-token passes
+//! give: an int8 model rounds every activation, so a last-bit difference in attention grows into
+//! a different token. torch's attention blocks its work by the number of rows. Here a row's
+//! scores, softmax and weighted sum read only that row's query and the keys it sees.
+//!
+//! Every sum is written as [`LANES`] independent lanes of fused multiply-adds, added in a fixed
+//! tree at the end, and the exponential is a polynomial of fused multiply-adds. IEEE rounds each
+//! of those operations exactly, and LLVM vectorizes them without reordering, so the AVX-512,
+//! AVX2 and portable builds of [`attend`] give the same bits.
+
+// The generic loops below must inline into each build's `#[target_feature]` entry point, or
+// their intrinsics run as calls: `inline(always)` is the point.
+#![allow(clippy::inline_always)]
+
+use std::sync::Mutex;
+
+use crate::error::{Error, Result};
+
+/// Independent accumulators per sum (one AVX-512 register, two AVX2 ones).
+const LANES: usize = 16;
+/// Below this many multiply-adds a pass runs on the calling thread alone.
+const PARALLEL_MIN: usize = 1 << 16;
+
+/// The shape of one layer's attention.
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    /// Query rows T of the pass, at positions `pos..pos + rows`.
+    pub rows: usize,
+    /// Query heads H.
+    pub heads: usize,
+    /// Key/value heads Hkv; query head h reads kv head h / (H / Hkv).
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Slots S per kv head in the cache.
+    pub capacity: usize,
+    /// The position of the first row.
+    pub pos: usize,
+}
+
+/// Which build of the loops runs. All give the same bits; the choice is speed only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+impl Path {
+    pub fn best() -> Path {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Path::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Path::Avx2;
+            }
+        }
+        Path::Portable
+    }
+
+    pub fn supported(self) -> bool {
+        match self {
+            Path::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+}
+
+/// out (H, T, hd) = softmax(q kᵀ / √hd) v per head, row t over keys `0..=pos + t`.
+///
+/// q is (H, T, hd); k and v are (Hkv, S, hd) with slots `0..pos + T` written. A row whose
+/// scores are not all finite (a NaN or infinity in its query or keys) comes out as NaN.
+pub fn attend(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], d: &Dims) -> Result<()> {
+    attend_with(q, k, v, out, d, Path::best())
+}
+
+/// [`attend`] through a chosen build of the loops (tests compare them).
+pub fn attend_with(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    d: &Dims,
+    path: Path,
+) -> Result<()> {
+    check(q, k, v, out, d)?;
+    if !path.supported() {
+        return Err(Error::value(format!(
+            "this CPU cannot run the {path:?} path"
+        )));
+    }
+    let n_items = d.heads * d.rows;
+    if n_items == 0 || d.head_dim == 0 {
+        return Ok(());
+    }
+    let work = n_items * (d.pos + d.rows) * d.head_dim;
+    let run = |first: usize, out: &mut [f32]| match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `supported` checked that this CPU has the features.
+        Path::Avx512 => unsafe { x86::items_avx512(q, k, v, out, d, first) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Path::Avx2 => unsafe { x86::items_avx2(q, k, v, out, d, first) },
+        // SAFETY: the portable build needs no CPU feature.
+        _ => unsafe { items::<Portable>(q, k, v, out, d, first) },
+    };
+    if n_items < 2 || work < PARALLEL_MIN {
+        run(0, out);
+        return Ok(());
+    }
+    // Two halves of the (head, row) items at once: this thread and the helper (helper.rs).
+    // Each item writes its own hd values, so the split cannot change them.
+    let mid = n_items / 2;
+    let (a, b) = out.split_at_mut(mid * d.head_dim);
+    let (a, b) = (Mutex::new(a), Mutex::new(b));
+    let half = |first: usize, part: &Mutex<&mut [f32]>| {
+        let mut part = part
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        run(first, &mut part);
+    };
+    crate::helper::join(|| half(0, &a), || half(mid, &b));
+    Ok(())
+}
+
+fn check(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], d: &Dims) -> Result<()> {
+    if d.kv_heads == 0 || !d.heads.is_multiple_of(d.kv_heads) {
+        return Err(Error::value(format!(
+            "heads ({}) must be a positive multiple of kv_heads ({})",
+            d.heads, d.kv_heads
+        )));
+    }
+    if d.pos + d.rows > d.capacity {
+        return Err(Error::value(format!(
+            "rows at positions {}..{} do not fit a cache of {} slots",
+            d.pos,
+            d.pos + d.rows,
+            d.capacity
+        )));
+    }
+    let qn = d.heads * d.rows * d.head_dim;
+    let kn = d.kv_heads * d.capacity * d.head_dim;
+    if q.len() != qn || out.len() != qn || k.len() != kn || v.len() != kn {
+        return Err(Error::value(format!(
+            "q and out must hold H x T x hd = {qn} values and k, v Hkv x S x hd = {kn}; got q \
+             {}, out {}, k {}, v {}",
+            q.len(),
+            out.len(),
+            k.len(),
+            v.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Sixteen f32 lanes. Each build implements the same operations, each exactly rounded, so the
+/// loops below give the same bits through any of them.
+trait Lanes: Copy {
+    unsafe fn zero() -> Self;
+    unsafe fn splat(x: f32) -> Self;
+    /// The 16 values at `p`.
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(self, p: *mut f32);
+    /// a · b + c, rounded once.
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+    unsafe fn add(a: Self, b: Self) -> Self;
+    unsafe fn sub(a: Self, b: Self) -> Self;
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    unsafe fn div(a: Self, b: Self) -> Self;
+    unsafe fn max(a: Self, b: Self) -> Self;
+    /// (l + l+8), then (l + l+4), (l + l+2), (l + l+1): a fixed tree.
+    unsafe fn sum(self) -> f32;
+    /// e^x per lane, as [`exp`].
+    unsafe fn exp(self) -> Self;
+}
+
+/// One lane of [`Lanes::exp`]: e^x within about 2 ulp for x in [-87.3, 88], 0 below, and
+/// e^88 above. Cody-Waite reduction x = n ln 2 + r, Cephes' degree-6 polynomial for e^r, then
+/// 2^n through the exponent bits.
+fn exp(x: f32) -> f32 {
+    let small = x < EXP_MIN;
+    #[allow(clippy::manual_clamp)] // max/min as the SIMD builds do them (clamp panics on NaN)
+    let x = x.max(EXP_MIN).min(EXP_MAX);
+    let n = x.mul_add(std::f32::consts::LOG2_E, 0.5).floor();
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut p = EXP_POLY[0];
+    for &c in &EXP_POLY[1..] {
+        p = p.mul_add(r, c);
+    }
+    let y = (p * r).mul_add(r, r) + 1.0;
+    // n in [-126, 127] here, so the biased exponent n + 127 is a normal one.
+    let e = y * f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if small {
+        0.0
+    } else {
+        e
+    }
+}
+
+const EXP_MIN: f32 = -87.3;
+const EXP_MAX: f32 = 88.0;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
+
+/// The portable build, and the reference for the others.
+#[derive(Clone, Copy)]
+struct Portable([f32; LANES]);
+
+impl Lanes for Portable {
+    unsafe fn zero() -> Self {
+        Portable([0.0; LANES])
+    }
+    unsafe fn splat(x: f32) -> Self {
+        Portable([x; LANES])
+    }
+    unsafe fn load(p: *const f32) -> Self {
+        Portable(std::array::from_fn(|l| *p.add(l)))
+    }
+    unsafe fn store(self, p: *mut f32) {
+        for (l, &x) in self.0.iter().enumerate() {
+            *p.add(l) = x;
+        }
+    }
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        Portable(std::array::from_fn(|l| a.0[l].mul_add(b.0[l], c.0[l])))
+    }
+    unsafe fn add(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|l| a.0[l] + b.0[l]))
+    }
+    unsafe fn sub(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|l| a.0[l] - b.0[l]))
+    }
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|l| a.0[l] * b.0[l]))
+    }
+    unsafe fn div(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|l| a.0[l] / b.0[l]))
+    }
+    unsafe fn max(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|l| a.0[l].max(b.0[l])))
+    }
+    unsafe fn sum(self) -> f32 {
+        let h = self.0;
+        let h8: [f32; 8] = std::array::from_fn(|l| h[l] + h[l + 8]);
+        let h4: [f32; 4] = std::array::from_fn(|l| h8[l] + h8[l + 4]);
+        (h4[0] + h4[2]) + (h4[1] + h4[3])
+    }
+    unsafe fn exp(self) -> Self {
+        Portable(self.0.map(exp))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::wildcard_imports)]
+mod x86 {
+    use super::{Lanes, EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO};
+    use std::arch::x86_64::*;
+
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx512(__m512);
+
+    impl Lanes for Avx512 {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Avx512(_mm512_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Avx512(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Avx512(_mm512_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self.0);
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            Avx512(_mm512_fmadd_ps(a.0, b.0, c.0))
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            Avx512(_mm512_add_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn sub(a: Self, b: Self) -> Self {
+            Avx512(_mm512_sub_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            Avx512(_mm512_mul_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn div(a: Self, b: Self) -> Self {
+            Avx512(_mm512_div_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn max(a: Self, b: Self) -> Self {
+            Avx512(_mm512_max_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn sum(self) -> f32 {
+            let lo = _mm512_castps512_ps256(self.0);
+            let hi = _mm512_extractf32x8_ps::<1>(self.0);
+            Avx2([lo, hi]).sum()
+        }
+        #[inline(always)]
+        unsafe fn exp(self) -> Self {
+            let x = self.0;
+            let small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_MIN));
+            let x = _mm512_min_ps(
+                _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN)),
+                _mm512_set1_ps(EXP_MAX),
+            );
+            let t = _mm512_fmadd_ps(
+                x,
+                _mm512_set1_ps(std::f32::consts::LOG2_E),
+                _mm512_set1_ps(0.5),
+            );
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+            let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+            let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+            let mut p = _mm512_set1_ps(EXP_POLY[0]);
+            for &c in &EXP_POLY[1..] {
+                p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+            }
+            let y = _mm512_add_ps(
+                _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
+                _mm512_set1_ps(1.0),
+            );
+            let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvttps_epi32(n),
+                _mm512_set1_epi32(127),
+            ));
+            let e = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+            Avx512(_mm512_mask_mov_ps(e, small, _mm512_setzero_ps()))
+        }
+    }
+
+    /// Lanes 0-7 in the first register, 8-15 in the second.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx2(pub(super) [__m256; 2]);
+
+    impl Lanes for Avx2 {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Avx2([_mm256_setzero_ps(); 2])
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Avx2([_mm256_set1_ps(x); 2])
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Avx2([_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))])
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm256_storeu_ps(p, self.0[0]);
+            _mm256_storeu_ps(p.add(8), self.0[1]);
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            Avx2([
+                _mm256_fmadd_ps(a.0[0], b.0[0], c.0[0]),
+                _mm256_fmadd_ps(a.0[1], b.0[1], c.0[1]),
+            ])
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            Avx2([_mm256_add_ps(a.0[0], b.0[0]), _mm256_add_ps(a.0[1], b.0[1])])
+        }
+        #[inline(always)]
+        unsafe fn sub(a: Self, b: Self) -> Self {
+            Avx2([_mm256_sub_ps(a.0[0], b.0[0]), _mm256_sub_ps(a.0[1], b.0[1])])
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            Avx2([_mm256_mul_ps(a.0[0], b.0[0]), _mm256_mul_ps(a.0[1], b.0[1])])
+        }
+        #[inline(always)]
+        unsafe fn div(a: Self, b: Self) -> Self {
+            Avx2([_mm256_div_ps(a.0[0], b.0[0]), _mm256_div_ps(a.0[1], b.0[1])])
+        }
+        #[inline(always)]
+        unsafe fn max(a: Self, b: Self) -> Self {
+            Avx2([_mm256_max_ps(a.0[0], b.0[0]), _mm256_max_ps(a.0[1], b.0[1])])
+        }
+        #[inline(always)]
+        unsafe fn sum(self) -> f32 {
+            let h8 = _mm256_add_ps(self.0[0], self.0[1]); // l + l+8
+            let h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps::<1>(h8));
+            let h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4)); // (0+2, 1+3)
+            let h1 = _mm_add_ss(h2, _mm_shuffle_ps::<0b01>(h2, h2));
+            _mm_cvtss_f32(h1)
+        }
+        #[inline(always)]
+        unsafe fn exp(self) -> Self {
+            Avx2([exp8(self.0[0]), exp8(self.0[1])])
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let small = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN));
+        let x = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)),
+            _mm256_set1_ps(EXP_MAX),
+        );
+        let t = _mm256_fmadd_ps(
+            x,
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+            _mm256_set1_ps(0.5),
+        );
+        let n = _mm256_floor_ps(t);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_add_ps(
+            _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r),
+            _mm256_set1_ps(1.0),
+        );
+        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvttps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+        _mm256_andnot_ps(small, e)
+    }
+
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    pub(super) unsafe fn items_avx512(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        d: &super::Dims,
+        first: usize,
+    ) {
+        super::items::<Avx512>(q, k, v, out, d, first);
+    }
+
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    pub(super) unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+        super::dot::<Avx512>(a, b)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        super::dot::<Avx2>(a, b)
+    }
+
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    pub(super) unsafe fn silu_mul_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        super::silu_mul_lanes::<Avx512>(gate, up, out);
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn silu_mul_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        super::silu_mul_lanes::<Avx2>(gate, up, out);
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn items_avx2(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        d: &super::Dims,
+        first: usize,
+    ) {
+        super::items::<Avx2>(q, k, v, out, d, first);
+    }
+}
+
+/// Σ a·b as attention sums it (lanes of fused multiply-adds, then a fixed tree), on the best
+/// build for this CPU.
+pub fn dot_product(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot_product of different lengths");
+    match Path::best() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `best` checked the features.
+        Path::Avx512 => unsafe { x86::dot_avx512(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Path::Avx2 => unsafe { x86::dot_avx2(a, b) },
+        // SAFETY: the portable build needs no CPU feature.
+        _ => unsafe { dot::<Portable>(a, b) },
+    }
+}
+
+/// out = silu(gate) · up = gate / (1 + e^-gate) · up, elementwise, on the best build.
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(
+        gate.len() == up.len() && up.len() == out.len(),
+        "silu_mul of different lengths"
+    );
+    match Path::best() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `best` checked the features.
+        Path::Avx512 => unsafe { x86::silu_mul_avx512(gate, up, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Path::Avx2 => unsafe { x86::silu_mul_avx2(gate, up, out) },
+        // SAFETY: the portable build needs no CPU feature.
+        _ => unsafe { silu_mul_lanes::<Portable>(gate, up, out) },
+    }
+}
+
+#[inline(always)]
+unsafe fn silu_mul_lanes<V: Lanes>(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let whole = gate.len() / LANES * LANES;
+    for c in (0..whole).step_by(LANES) {
+        let y = silu_mul_step(V::load(gate.as_ptr().add(c)), V::load(up.as_ptr().add(c)));
+        y.store(out.as_mut_ptr().add(c));
+    }
+    if whole < gate.len() {
+        let n = gate.len() - whole;
+        let (mut g, mut u, mut y) = ([0.0f32; LANES], [0.0f32; LANES], [0.0f32; LANES]);
+        g[..n].copy_from_slice(&gate[whole..]);
+        u[..n].copy_from_slice(&up[whole..]);
+        silu_mul_step(V::load(g.as_ptr()), V::load(u.as_ptr())).store(y.as_mut_ptr());
+        out[whole..].copy_from_slice(&y[..n]);
+    }
+}
+
+// (Functions, not closures: a closure is not inlined into the `#[target_feature]` entry point
+// reliably, and its intrinsics then run as calls, ~100x slower.)
+#[inline(always)]
+unsafe fn silu_mul_step<V: Lanes>(g: V, u: V) -> V {
+    let e = V::sub(V::zero(), g).exp();
+    V::mul(V::div(g, V::add(V::splat(1.0), e)), u)
+}
+
+/// Items `first..` (item = head * T + row) into `out`, which holds as many items as it fits.
+/// The head size is a multiple of [`LANES`] (`attend_with` sends other sizes to the portable
+/// build, whose loops take any size).
+#[inline(always)]
+unsafe fn items<V: Lanes>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    d: &Dims,
+    first: usize,
+) {
+    let hd = d.head_dim;
+    let group = d.heads / d.kv_heads;
+    let head_len = d.capacity * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Scores padded to whole lanes: padding repeats a real score while the maximum is taken,
+    // then is -inf, whose weight is 0.
+    let width = (d.pos + d.rows).next_multiple_of(LANES);
+    let mut scores = vec![0.0f32; width];
+    let mut acc = vec![0.0f32; hd.next_multiple_of(LANES)];
+    for (n, o) in out.chunks_exact_mut(hd).enumerate() {
+        let item = first + n;
+        let (h, t) = (item / d.rows, item % d.rows);
+        let kv = h / group;
+        let keys = d.pos + t + 1;
+        let qrow = &q[item * hd..(item + 1) * hd];
+        let kh = &k[kv * head_len..kv * head_len + keys * hd];
+        let vh = &v[kv * head_len..kv * head_len + keys * hd];
+        let padded = &mut scores[..keys.next_multiple_of(LANES)];
+        dots::<V>(qrow, kh, scale, &mut padded[..keys]);
+        let Some(total) = softmax_weights::<V>(padded, keys) else {
+            o.fill(f32::NAN);
+            continue;
+        };
+        weighted_sum::<V>(&padded[..keys], vh, hd, &mut acc);
+        for (y, &a) in o.iter_mut().zip(&acc[..hd]) {
+            *y = a / total;
+        }
+    }
+}
+
+/// One key's q · k: lanes of fused multiply-adds over the head (tails of a head size that is
+/// not a multiple of LANES go in lanes 0..), then the tree.
+#[inline(always)]
+unsafe fn dot<V: Lanes>(q: &[f32], kj: &[f32]) -> f32 {
+    let whole = q.len() / LANES * LANES;
+    let mut acc = V::zero();
+    for c in (0..whole).step_by(LANES) {
+        acc = V::fma(V::load(q.as_ptr().add(c)), V::load(kj.as_ptr().add(c)), acc);
+    }
+    if whole < q.len() {
+        let mut tq = [0.0f32; LANES];
+        let mut tk = [0.0f32; LANES];
+        tq[..q.len() - whole].copy_from_slice(&q[whole..]);
+        tk[..q.len() - whole].copy_from_slice(&kj[whole..]);
+        acc = V::fma(V::load(tq.as_ptr()), V::load(tk.as_ptr()), acc);
+    }
+    acc.sum()
+}
+
+/// scores[j] = q · k_j · scale, four keys at a time where the head is whole lanes, so that
+/// four sums are in flight (each is still `dot`'s).
+#[inline(always)]
+unsafe fn dots<V: Lanes>(q: &[f32], kh: &[f32], scale: f32, scores: &mut [f32]) {
+    let hd = q.len();
+    let mut j = 0;
+    if hd.is_multiple_of(LANES) {
+        while j + 4 <= scores.len() {
+            let kp = kh.as_ptr().add(j * hd);
+            let mut acc = [V::zero(); 4];
+            for c in (0..hd).step_by(LANES) {
+                let qc = V::load(q.as_ptr().add(c));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = V::fma(qc, V::load(kp.add(i * hd + c)), *a);
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                scores[j + i] = a.sum() * scale;
+            }
+            j += 4;
+        }
+    }
+    while j < scores.len() {
+        scores[j] = dot::<V>(q, &kh[j * hd..(j + 1) * hd]) * scale;
+        j += 1;
+    }
+}
+
+/// padded[..keys] (scores) -> e^(s - max) in place, the rest -> 0; their sum. None if a score
+/// is not finite.
+#[inline(always)]
+unsafe fn softmax_weights<V: Lanes>(padded: &mut [f32], keys: usize) -> Option<f32> {
+    let (real, pad) = padded.split_at_mut(keys);
+    pad.fill(real[0]);
+    // s · 0 is 0 for finite s and NaN for NaN or ±inf; max is exact in any order.
+    let zero = V::zero();
+    let mut probe = V::zero();
+    let mut top = V::splat(f32::NEG_INFINITY);
+    let p = padded.as_mut_ptr();
+    for c in (0..padded.len()).step_by(LANES) {
+        let x = V::load(p.add(c));
+        probe = V::fma(x, zero, probe);
+        top = V::max(top, x);
+    }
+    if probe.sum() != 0.0 {
+        return None;
+    }
+    let mut m = [0.0f32; LANES];
+    top.store(m.as_mut_ptr());
+    let m = V::splat(m.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+    padded[keys..].fill(f32::NEG_INFINITY);
+    let mut total = V::zero();
+    let minus_one = V::splat(-1.0);
+    for c in (0..padded.len()).step_by(LANES) {
+        let e = V::fma(m, minus_one, V::load(p.add(c))).exp(); // s - m, rounded once
+        e.store(p.add(c));
+        total = V::add(total, e);
+    }
+    Some(total.sum())
+}
+
+/// acc[..hd] = Σ_j p_j v_j, for `acc` of hd rounded up to whole lanes. Per lane, even keys are
+/// summed in one chain of multiply-adds and odd keys in another, then the two are added; four
+/// lane-groups go at once, so that eight chains are in flight.
+#[inline(always)]
+unsafe fn weighted_sum<V: Lanes>(p: &[f32], vh: &[f32], hd: usize, acc: &mut [f32]) {
+    let chunks = acc.len() / LANES;
+    let mut c = 0;
+    while c + 4 <= chunks {
+        lane_groups::<V, 4>(p, vh, hd, c, acc);
+        c += 4;
+    }
+    while c < chunks {
+        lane_groups::<V, 1>(p, vh, hd, c, acc);
+        c += 1;
+    }
+}
+
+/// Lanes c of key j's values (vh: (keys, hd)); past the end of the head, zeros.
+#[inline(always)]
+unsafe fn head_lanes<V: Lanes>(vh: &[f32], hd: usize, j: usize, c: usize) -> V {
+    let at = c * LANES;
+    if hd.is_multiple_of(LANES) || at + LANES <= hd {
+        V::load(vh.as_ptr().add(j * hd + at))
+    } else {
+        let mut tail = [0.0f32; LANES];
+        tail[..hd - at].copy_from_slice(&vh[j * hd + at..(j + 1) * hd]);
+        V::load(tail.as_ptr())
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // even[g], odd[g] and chunk c0 + g together
+unsafe fn lane_groups<V: Lanes, const G: usize>(
+    p: &[f32],
+    vh: &[f32],
+    hd: usize,
+    c0: usize,
+    acc: &mut [f32],
+) {
+    let mut even = [V::zero(); G];
+    let mut odd = [V::zero(); G];
+    let mut j = 0;
+    while j + 2 <= p.len() {
+        let (p0, p1) = (V::splat(p[j]), V::splat(p[j + 1]));
+        for g in 0..G {
+            even[g] = V::fma(p0, head_lanes::<V>(vh, hd, j, c0 + g), even[g]);
+            odd[g] = V::fma(p1, head_lanes::<V>(vh, hd, j + 1, c0 + g), odd[g]);
+        }
+        j += 2;
+    }
+    if j < p.len() {
+        let p0 = V::splat(p[j]);
+        for g in 0..G {
+            even[g] = V::fma(p0, head_lanes::<V>(vh, hd, j, c0 + g), even[g]);
+        }
+    }
+    for g in 0..G {
+        V::add(even[g], odd[g]).store(acc.as_mut_ptr().add((c0 + g) * LANES));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Softmax attention in f64 over the same inputs.
+    fn reference(q: &[f32], k: &[f32], v: &[f32], d: &Dims) -> Vec<f64> {
+        let hd = d.head_dim;
+        let g = d.heads / d.kv_heads;
+        let mut out = vec![0.0f64; q.len()];
+        for h in 0..d.heads {
+            for t in 0..d.rows {
+                let item = h * d.rows + t;
+                let base = (h / g) * d.capacity * hd;
+                let keys = d.pos + t + 1;
+                let s: Vec<f64> = (0..keys)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|x| f64::from(q[item * hd + x]) * f64::from(k[base + j * hd + x]))
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = p.iter().sum();
+                for x in 0..hd {
+                    out[item * hd + x] = (0..keys)
+                        .map(|j| p[j] * f64::from(v[base + j * hd + x]))
+                        .sum::<f64>()
+                        / z;
+                }
+            }
+        }
+        out
+    }
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    fn case(d: &Dims, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let qn = d.heads * d.rows * d.head_dim;
+        let kn = d.kv_heads * d.capacity * d.head_dim;
+        (values(qn, seed), values(kn, seed + 1), values(kn, seed + 2))
+    }
+
+    fn run(q: &[f32], k: &[f32], v: &[f32], d: &Dims, path: Path) -> Vec<f32> {
+        let mut out = vec![0.0f32; q.len()];
+        attend_with(q, k, v, &mut out, d, path).unwrap();
+        out
+    }
+
+    #[test]
+    fn exp_is_close_to_libm() {
+        let mut worst = 0.0f64;
+        for i in -200_000..200_000 {
+            let x = 87.0 * f64::from(i) / 200_000.0;
+            let got = f64::from(exp(x as f32));
+            let want = (x as f32 as f64).exp();
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(exp(0.0).to_bits(), 1.0f32.to_bits());
+        assert_eq!(exp(-100.0).to_bits(), 0.0f32.to_bits());
+        assert!(exp(1000.0).is_finite());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn matches_f64_reference(
+            rows in 1usize..6, kv in 1usize..4, g in 1usize..4, hd in 1usize..40,
+            pos in 0usize..70, spare in 0usize..5, seed in 0u64..1000,
+        ) {
+            let d = Dims { rows, heads: kv * g, kv_heads: kv, head_dim: hd,
+                           capacity: pos + rows + spare, pos };
+            let (q, k, v) = case(&d, seed);
+            let want = reference(&q, &k, &v, &d);
+            let got = run(&q, &k, &v, &d, Path::best());
+            for (g, w) in got.iter().zip(&want) {
+                prop_assert!((f64::from(*g) - w).abs() < 1e-5, "{g} vs {w}");
+            }
+        }
+    }
+
+    /// The point of the module: row t of a T-row pass equals a one-row pass at position pos + t.
+    #[test]
+    fn a_row_does_not_depend_on_the_row_count() {
+        let d = Dims {
+            rows: 9,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            capacity: 600,
+            pos: 500,
+        };
+        let (q, k, v) = case(&d, 7);
+        let many = run(&q, &k, &v, &d, Path::best());
+        for t in 0..d.rows {
+            let one = Dims {
+                rows: 1,
+                pos: d.pos + t,
+                ..d
+            };
+            let q1: Vec<f32> = (0..d.heads)
+                .flat_map(|h| {
+                    let i = (h * d.rows + t) * d.head_dim;
+                    q[i..i + d.head_dim].to_vec()
+                })
+                .collect();
+            let got = run(&q1, &k, &v, &one, Path::best());
+            for h in 0..d.heads {
+                let i = (h * d.rows + t) * d.head_dim;
+                assert_eq!(
+                    got[h * d.head_dim..(h + 1) * d.head_dim],
+                    many[i..i + d.head_dim]
+                );
+            }
+        }
+    }
+
+    /// Negative control for the test above: a row that also sees the next row's key differs.
+    #[test]
+    fn seeing_one_more_key_changes_a_row() {
+        let d = Dims {
+            rows: 1,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 16,
+            capacity: 40,
+            pos: 30,
+        };
+        let (q, k, v) = case(&d, 3);
+        let a = run(&q, &k, &v, &d, Path::best());
+        let b = run(&q, &k, &v, &Dims { pos: 31, ..d }, Path::best());
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn every_path_gives_the_same_bits() {
+        let d = Dims {
+            rows: 5,
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 72,
+            capacity: 300,
+            pos: 210,
+        };
+        let (q, k, v) = case(&d, 11);
+        let portable = run(&q, &k, &v, &d, Path::Portable);
+        for path in [Path::Avx2, Path::Avx512] {
+            if path.supported() {
+                assert_eq!(run(&q, &k, &v, &d, path), portable, "{path:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn silu_and_dot_give_the_same_bits_on_every_path() {
+        let a = values(1000, 21);
+        let b = values(1000, 22);
+        let g: Vec<f32> = a.iter().map(|x| x * 20.0).collect();
+        let run = |path: Path| {
+            let mut out = vec![0.0f32; 997];
+            // SAFETY: only paths this CPU supports run.
+            let d = unsafe {
+                match path {
+                    #[cfg(target_arch = "x86_64")]
+                    Path::Avx512 => {
+                        x86::silu_mul_avx512(&g[..997], &b[..997], &mut out);
+                        x86::dot_avx512(&a[..997], &b[..997])
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    Path::Avx2 => {
+                        x86::silu_mul_avx2(&g[..997], &b[..997], &mut out);
+                        x86::dot_avx2(&a[..997], &b[..997])
+                    }
+                    _ => {
+                        silu_mul_lanes::<Portable>(&g[..997], &b[..997], &mut out);
+                        dot::<Portable>(&a[..997], &b[..997])
+                    }
+                }
+            };
+            (out, d.to_bits())
+        };
+        let want = run(Path::Portable);
+        for (x, (&gx, &u)) in want.0.iter().zip(g.iter().zip(&b)) {
+            let silu = f64::from(gx) / (1.0 + (-f64::from(gx)).exp()) * f64::from(u);
+            assert!(
+                (f64::from(*x) - silu).abs() < 1e-5 * (1.0 + silu.abs()),
+                "{x} vs {silu}"
+            );
+        }
+        for path in [Path::Avx2, Path::Avx512] {
+            if path.supported() {
+                assert_eq!(run(path), want, "{path:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn non_finite_rows_come_out_nan() {
+        let d = Dims {
+            rows: 2,
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 8,
+            capacity: 4,
+            pos: 1,
+        };
+        let (mut q, k, v) = case(&d, 5);
+        q[8] = f32::NAN; // row 1
+        let out = run(&q, &k, &v, &d, Path::best());
+        assert!(out[..8].iter().all(|x| x.is_finite()));
+        assert!(out[8..].iter().all(|x| x.is_nan()));
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let d = Dims {
+            rows: 2,
+            heads: 3,
+            kv_heads: 2,
+            head_dim: 4,
+            capacity: 4,
+            pos: 0,
+        };
+        let mut out = vec![0.0; 24];
+        assert!(attend(&[0.0; 24], &[0.0; 32], &[0.0; 32], &mut out, &d).is_err());
+        let d = Dims {
+            heads: 2,
+            pos: 3,
+            ..d
+        };
+        let mut out = vec![0.0; 16];
+        let err = attend(&[0.0; 16], &[0.0; 32], &[0.0; 32], &mut out, &d).unwrap_err();
+        assert!(err.to_string().contains("do not fit"), "{err}");
+    }
+}
