@@ -10,6 +10,7 @@ too, so a slow compile or an out-of-memory loses only its own row.
 
     python benches/bench_runtime.py                          # SmolLM2 from its GGUF, auto dtype
     python benches/bench_runtime.py --dtype float32 bfloat16 --compile
+    python benches/bench_runtime.py --weights float int8 --ns 1 2 4 8 9 16  # int8 on CPU
     python benches/bench_runtime.py --device cuda --shapes smollm2-135m qwen2.5-1.5b \\
         --steps eager compiled --jsonl rows.jsonl            # random weights of real shapes
 
@@ -81,7 +82,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int =
 
 
 def weight_bytes(model) -> int:
-    # What a decode step reads: every matrix once (prepacked copies are the same size).
+    """What a decode step reads: every matrix once (prepacked copies are the same size; int8
+    ones are their bytes and scales)."""
+    if model.int8:
+        packed = model.packed_weights()
+        return sum(m.nbytes for layer in packed[:-1] for m in layer) + packed[-1].nbytes
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -144,7 +149,8 @@ def bucket_time(dec, feed: torch.Tensor, repeats: int, sync_check: bool) -> tupl
 
 def summary(row: dict) -> str:
     """The one line a row prints."""
-    head = f"{row['model']} {row['dtype']} {row['step']} n={row.get('n', '-')}"
+    head = f"{row['model']} {row['dtype']} {row.get('weights', 'float')} weights {row['step']}"
+    head += f" n={row.get('n', '-')}"
     if "error" in row:
         return f"{head}: FAILED {row['error']}"
     line = (
@@ -174,15 +180,16 @@ class Rows:
                 f.write(json.dumps(row) + "\n")
 
 
-def measure(rows: Rows, shape, dtype_name, step, device, ns, repeats) -> None:
-    """Every bucket of one (model, dtype, step), a row each; any failure becomes a row."""
+def measure(rows: Rows, shape, dtype_name, step, device, ns, repeats, weights="float") -> None:
+    """Every bucket of one (model, dtype, step, weights), a row each; any failure becomes a
+    row. int8 weights run with float32 activations, whatever `dtype_name` says."""
     from torch._dynamo.utils import counters
 
     import specfast
 
-    dtype = resolve_dtype(dtype_name, device)
+    dtype = torch.float32 if weights == "int8" else resolve_dtype(dtype_name, device)
     name = str(dtype).removeprefix("torch.")
-    base = {"model": shape, "dtype": name, "step": step, "device": str(device)}
+    base = {"model": shape, "dtype": name, "weights": weights, "step": step, "device": str(device)}
     model = dec = None
     try:
         torch._dynamo.reset()
@@ -190,9 +197,11 @@ def measure(rows: Rows, shape, dtype_name, step, device, ns, repeats) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if shape == "gguf":
-            model = specfast.load_model(device=device, dtype=dtype, compile="off")
+            model = specfast.load_model(device=device, dtype=dtype, compile="off", weights=weights)
         else:
             model = random_model(shape, device, dtype)
+            if weights == "int8":
+                model.quantize_int8()
         model.compile_steps(step == "compiled")
         bw = copy_bandwidth(device)  # with the weights in memory, as a pass runs
         wb = weight_bytes(model)
@@ -238,6 +247,7 @@ def main(argv=None) -> dict:
     p.add_argument("--compile", action="store_true", help="same as --steps eager compiled")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--ns", type=int, nargs="+", default=list(NS), help="tokens per pass")
+    p.add_argument("--weights", nargs="+", choices=("float", "int8"), default=["float"])
     p.add_argument("--json", help="write every row here at the end")
     p.add_argument("--jsonl", help="append each row here, as one JSON line, once measured")
     args = p.parse_args(argv)
@@ -249,7 +259,9 @@ def main(argv=None) -> dict:
     for step in steps:  # eager rows first: compiled ones cost compiles, and may not finish
         for shape in args.shapes:
             for dtype_name in args.dtype:
-                measure(rows, shape, dtype_name, step, device, tuple(args.ns), args.repeats)
+                for weights in args.weights:
+                    ns = tuple(args.ns)
+                    measure(rows, shape, dtype_name, step, device, ns, args.repeats, weights)
     results = {"device": str(device), "where": where, "rows": rows.rows}
     if args.json:
         with open(args.json, "w") as f:

@@ -3,7 +3,7 @@
 //! A decode pass makes ~120 matrix products of 10-100 µs each, with torch's own ops between
 //! them. A general pool (rayon) parks its workers after a few microseconds idle, and waking one
 //! costs 20-30 µs on these VMs, as much as it saves. This helper spins for a while after each
-//! job (`SPIN`, a few hundred microseconds: longer than the gaps inside a pass) before it
+//! job (`SPIN`, a few milliseconds: longer than the gaps between passes) before it
 //! parks, so during a generation it is always awake, and when generation stops it sleeps.
 //!
 //! A job the helper has not started by the time the caller finishes its own half is taken back
@@ -17,13 +17,18 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread::{self, Thread};
+use std::time::{Duration, Instant};
 
 const IDLE: u8 = 0;
 const POSTED: u8 = 1;
 const RUNNING: u8 = 2;
 const DONE: u8 = 3;
-/// Spin iterations before the helper parks (about 0.2-0.5 ms).
-const SPIN: u32 = 200_000;
+/// How long the helper spins after a job before it parks: longer than the gaps between the
+/// passes of a generation (the Python round between them), so that it is awake all through
+/// one; waking a parked thread can take milliseconds on a VM whose other vCPU has gone idle.
+/// (A count of spin-loop hints is no measure of time: PAUSE takes a few cycles on AMD and
+/// about 140 on recent Intel, where 200k of them spun for ~10 ms.)
+const SPIN: Duration = Duration::from_millis(3);
 
 type Job = *const (dyn Fn() + Sync);
 
@@ -71,18 +76,19 @@ fn helper() -> Option<&'static Helper> {
 
 fn serve(h: &Helper) {
     loop {
-        let mut spins = 0;
+        let mut deadline = Instant::now() + SPIN;
+        let mut spins = 0u32;
         while h.state.load(Ordering::Acquire) != POSTED {
-            if spins < SPIN {
+            spins = spins.wrapping_add(1);
+            if !spins.is_multiple_of(64) || Instant::now() < deadline {
                 std::hint::spin_loop();
-                spins += 1;
             } else {
                 h.sleeping.store(true, Ordering::SeqCst);
                 if h.state.load(Ordering::SeqCst) != POSTED {
                     thread::park();
                 }
                 h.sleeping.store(false, Ordering::SeqCst);
-                spins = 0;
+                deadline = Instant::now() + SPIN;
             }
         }
         // Claim the job, unless the caller took it back first.

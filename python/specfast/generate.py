@@ -20,6 +20,7 @@ import torch
 
 from specfast._core import accept_greedy, accept_sampled
 from specfast.drafters import Verified, feature_layers, make_drafter
+from specfast.int8 import torch_threads
 from specfast.sampling import (
     accept_sampled_torch,
     check_sampling_params,
@@ -337,7 +338,10 @@ def run_turn(
     s = settings
     emit = _Emitter(s.streamer, s.tokenizer, ids, s.eos_ids, s.stops, s.max_new_tokens)
     drafter.start_turn(s.seed, s.params if s.sampling is not None else None)
-    with torch.inference_mode():
+    # A decoder may ask for torch on fewer threads (an int8 model's, whose core keeps a helper
+    # thread spinning on the second core through a generation).
+    threads = getattr(decoder, "torch_threads", None) or torch.get_num_threads()
+    with torch.inference_mode(), torch_threads(threads):
         reused = decoder.length
         new = torch.tensor(ids[reused:], dtype=torch.long, device=s.device)
         logits, features = _forward(decoder, new, feature_layers(drafter), last_only=True)

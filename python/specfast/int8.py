@@ -28,7 +28,7 @@ from specfast.hardware import proc_cpu_flags
 
 WEIGHTS_CHOICES = ("auto", "float", "int8")
 # Part of the cache key of "auto"'s timings: bump it when the int8 path's speed changes.
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 # Passes of up to this many tokens run torch's own ops on one thread: the core splits its
 # products with its own helper thread (rust/helper.rs), and torch's OpenMP workers spinning
 # between ops beside it made a SmolLM2 decode step 300+ ms instead of 20 (2 cores).
