@@ -29,7 +29,7 @@ import specfast
 from specfast import autok, drafters
 from specfast.hardware import cpu_flags_label
 from specfast.llama_bench import llama_cpp_engine, load_llamas
-from specfast.loading import default_model_path
+from specfast.targets.base import default_model_path
 from specfast.workloads import build_workloads
 
 

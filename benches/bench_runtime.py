@@ -30,7 +30,7 @@ import time
 import torch
 
 from specfast.hardware import cpu_flags_label
-from specfast.model import Model, ModelConfig, resolve_dtype
+from specfast.targets.torch.model import Model, ModelConfig, resolve_dtype
 
 NS = (1, 2, 4, 8, 16, 32)
 CONTEXT = 500

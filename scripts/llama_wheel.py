@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     elif cmd == "has-amx":
         return 0 if {"amx_tile", "amx_int8"} <= (cpu_flags() or set()) else 1
     elif cmd == "check":
-        from specfast.llama_cpp import check_llama_build
+        from specfast.targets.llama_cpp import check_llama_build
 
         # A report that could not be read (llama_cpp not importable, say) is no pass.
         with warnings.catch_warnings():

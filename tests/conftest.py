@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specfast.model import Model, ModelConfig
+from specfast.targets.torch.model import Model, ModelConfig
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -158,7 +158,7 @@ def write_tiny_gguf(hf_model, path):
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     # tokenizer: 256 byte tokens, merged pairs, one control token at the end
-    from specfast.loading import _bytes_to_unicode
+    from specfast.formats.gguf import _bytes_to_unicode
 
     spelling = _bytes_to_unicode()
     tokens = [spelling[b] for b in range(256)]

@@ -9,7 +9,8 @@ from conftest import needs_transformers
 from test_cli import run_main, tiny_model_dir  # noqa: F401  (tiny_model_dir: a fixture)
 from test_generate_distribution import chi2_pvalue
 
-from specfast.model import Model, ModelConfig, default_aux_layers
+from specfast.targets.base import default_aux_layers
+from specfast.targets.torch.model import Model, ModelConfig
 
 # ----------------------------------------------------------------------------
 # the target's aux features
@@ -690,7 +691,7 @@ def test_negative_control_head_cache_not_rolled_back(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
     import specfast.eagle_draft
-    from specfast.kv_cache import KVCache
+    from specfast.targets.torch.kv_cache import KVCache
 
     class NoRollback(KVCache):
         def rollback(self, length):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from specfast import eagle_data as ed
 from specfast import eagle_train as et
 from specfast import workloads
-from specfast.model import Model, ModelConfig
+from specfast.targets.torch.model import Model, ModelConfig
 
 
 def tiny_target(seed: int = 0, layers: int = 8) -> Model:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specfast
-from specfast.model import Model, ModelConfig
+from specfast.targets.torch.model import Model, ModelConfig
 
 CONFIGS = {
     "llama-gqa-untied": ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2),
@@ -162,15 +162,15 @@ class RecordingDecoder:
 
 
 def test_cache_length_equals_committed_every_round(monkeypatch):
-    import specfast.runtime
+    import specfast.targets
 
     model = tiny()
     prompt = prompt_for(model)
     want = plain(model, prompt, 40)
     log: list[tuple[int, int]] = []
-    real = specfast.runtime.make_decoder
+    real = specfast.targets.make_decoder
     monkeypatch.setattr(
-        specfast.runtime, "make_decoder", lambda m, n: RecordingDecoder(real(m, n), log)
+        specfast.targets, "make_decoder", lambda m, n: RecordingDecoder(real(m, n), log)
     )
     d = OracleDrafter(prompt, want, vocab=model.vocab_size, gap_every=3)
     out = specfast.generate(model, prompt, max_new_tokens=40, drafter=d, num_speculative_tokens=6)

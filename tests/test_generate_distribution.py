@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import specfast
-import specfast.runtime
-from specfast.model import Model, ModelConfig
+import specfast.targets
+from specfast.targets.torch.model import Model, ModelConfig
 
 # `specfast.generate` is the function; the loop's module is patched for the negative controls.
 generate_module = importlib.import_module("specfast.generate")
@@ -139,8 +139,8 @@ class NoRollback:
 
 
 def test_negative_control_no_rollback_is_caught(model, exact_joint, monkeypatch):
-    real = specfast.runtime.make_decoder
-    monkeypatch.setattr(specfast.runtime, "make_decoder", lambda m, n: NoRollback(real(m, n + 4)))
+    real = specfast.targets.make_decoder
+    monkeypatch.setattr(specfast.targets, "make_decoder", lambda m, n: NoRollback(real(m, n + 4)))
     assert chi2_pvalue(sample_joint(model, N), exact_joint) < ALPHA
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import specfast
 from specfast import Model, ModelConfig
 from specfast._core import Int8Matrix, int8_kernel, row_attention
-from specfast.int8 import dequantize, int8_linear
+from specfast.targets.torch.int8 import dequantize, int8_linear
 
 KERNELS = [
     k for k in ("scalar", "avx2", "avx512vnni") if k == "scalar" or int8_kernel() != "scalar"
@@ -194,7 +194,7 @@ def test_per_tensor_activation_scales_break_speculative_exactness(monkeypatch):
     """Negative control for the test above, on a tiny model so it needs no file: with one
     activation scale shared by the rows of a pass, a verify pass no longer equals one-token
     passes, and the speculative output drifts from plain greedy."""
-    import specfast.model as model_module
+    import specfast.targets.torch.model as model_module
 
     def per_tensor(x, m):
         q, sw = m.weights()

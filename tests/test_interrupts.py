@@ -17,7 +17,7 @@ import torch
 import specfast
 from specfast import NgramDrafter
 from specfast.draft import DraftModelDrafter
-from specfast.model import Decoder, Model, ModelConfig
+from specfast.targets.torch.model import Decoder, Model, ModelConfig
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
 NEW = 32
@@ -283,11 +283,11 @@ def test_negative_control_state_reset_only_on_success(models, monkeypatch):
     # and reset only when a call returns normally. An interrupt skips the reset, and the same
     # check that passes above must then fail (a stale cache length changes the next output, or the
     # next call overflows the cache).
-    import specfast.runtime
+    import specfast.targets
 
     model, _ = models
     fresh = _fresh(models, "auto-ngram")
-    real = specfast.runtime.make_decoder
+    real = specfast.targets.make_decoder
     kept = {}
 
     def kept_decoder(m, max_length):
@@ -301,7 +301,7 @@ def test_negative_control_state_reset_only_on_success(models, monkeypatch):
             d.rollback(0)
         return out
 
-    monkeypatch.setattr(specfast.runtime, "make_decoder", kept_decoder)
+    monkeypatch.setattr(specfast.targets, "make_decoder", kept_decoder)
     assert generate_resetting_on_success(model, PROMPT, max_new_tokens=NEW, ignore_eos=True
                                          ).token_ids == fresh  # fmt: skip
     wrapper, _ = _raise_on_call(3, Decoder.forward)

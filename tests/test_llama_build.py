@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import specfast.llama_cpp as lc
+import specfast.llama_bench as llama_bench
+import specfast.targets.llama_cpp.build as lc
+import specfast.targets.llama_cpp.decoder as lcd
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "llama_wheel.py"
 
@@ -181,17 +183,18 @@ def built(monkeypatch) -> list:
     llama_cpp = pytest.importorskip("llama_cpp")
     calls: list = []
     monkeypatch.setattr(llama_cpp, "Llama", lambda **kw: calls.append(kw) or "a llama")
-    monkeypatch.setattr(lc, "check_llama_build", refuse)
+    monkeypatch.setattr(lcd, "check_llama_build", refuse)
+    monkeypatch.setattr(llama_bench, "check_llama_build", refuse)
     return calls
 
 
 def test_load_llama_checks_before_building_the_llama(monkeypatch, built, smollm_gguf):
     with pytest.raises(RuntimeError, match="another CPU"):
-        lc.load_llama(smollm_gguf)
+        lcd.load_llama(smollm_gguf)
     assert built == []
     # Control: with the check passing, the same call builds the (fake) Llama.
-    monkeypatch.setattr(lc, "check_llama_build", lambda: None)
-    assert lc.load_llama(smollm_gguf) == "a llama" and len(built) == 1
+    monkeypatch.setattr(lcd, "check_llama_build", lambda: None)
+    assert lcd.load_llama(smollm_gguf) == "a llama" and len(built) == 1
 
 
 def test_bench_checks_before_building_its_llamas(monkeypatch, built, tmp_path):
@@ -200,20 +203,20 @@ def test_bench_checks_before_building_its_llamas(monkeypatch, built, tmp_path):
     with pytest.raises(RuntimeError, match="another CPU"):
         load_llamas(tmp_path / "m.gguf", ["llama.cpp-plain"], None)
     assert built == []
-    monkeypatch.setattr(lc, "check_llama_build", lambda: None)  # control
+    monkeypatch.setattr(llama_bench, "check_llama_build", lambda: None)  # control
     assert load_llamas(tmp_path / "m.gguf", ["llama.cpp-plain"], None) == {"target": "a llama"}
 
 
 def test_llama_decoder_checks(monkeypatch):
     pytest.importorskip("llama_cpp")
     Llama = type("Llama", (), {"__module__": "llama_cpp.llama"})  # is_llama accepts it
-    monkeypatch.setattr(lc, "check_llama_build", refuse)
+    monkeypatch.setattr(lcd, "check_llama_build", refuse)
     with pytest.raises(RuntimeError, match="another CPU"):
-        lc.LlamaDecoder(Llama())
+        lcd.LlamaDecoder(Llama())
     # Control: past the check, the fake fails on what a real Llama has.
-    monkeypatch.setattr(lc, "check_llama_build", lambda: None)
+    monkeypatch.setattr(lcd, "check_llama_build", lambda: None)
     with pytest.raises(AttributeError):
-        lc.LlamaDecoder(Llama())
+        lcd.LlamaDecoder(Llama())
 
 
 # ----------------------------------------------------------------------------
@@ -271,9 +274,9 @@ def test_check_of_an_unimportable_build_is_no_pass(tmp_path):
 
 MIXED = """
 import sys, torch, llama_cpp
-import specfast, specfast.llama_cpp as lc
+import specfast, specfast.targets.llama_cpp.decoder as lcd
 if sys.argv[2] == "control":  # the decoder then never restores ggml's tile configuration
-    lc.tile_restorer = lambda: None
+    lcd.tile_restorer = lambda: None
 llama = llama_cpp.Llama(sys.argv[1], n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False)
 a, b = torch.randn(64, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)
 for _ in range(3):

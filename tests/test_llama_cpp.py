@@ -25,8 +25,8 @@ from test_generate_distribution import (  # noqa: E402
 )
 
 import specfast  # noqa: E402
-import specfast.runtime  # noqa: E402
-from specfast.llama_cpp import (  # noqa: E402
+import specfast.targets  # noqa: E402
+from specfast.targets.llama_cpp import (  # noqa: E402
     LlamaDecoder,
     LlamaTokenizer,
     check_llama_build,

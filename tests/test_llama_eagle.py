@@ -30,7 +30,8 @@ from test_llama_cpp import (  # noqa: E402
 
 import specfast  # noqa: E402
 from specfast.eagle_draft import EagleDraft  # noqa: E402
-from specfast.llama_cpp import LayerInputs, LlamaDecoder, llama_embedding  # noqa: E402
+from specfast.formats.gguf import llama_embedding  # noqa: E402
+from specfast.targets.llama_cpp import LayerInputs, LlamaDecoder  # noqa: E402
 
 PROMPT = [1, 2, 3, 200, 2, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59]
 NEW = 40
@@ -298,7 +299,7 @@ def test_shipped_head_over_smollm2_gguf_is_greedy_up_to_near_ties(smol):
 def test_smollm2_gguf_features_are_close_to_the_torch_models(smol, smollm_gguf):
     """The shipped head learned from specfast's runtime; llama.cpp's Q4_1 model hands it
     features of the same layers that differ only by quantisation."""
-    from specfast.model import default_aux_layers
+    from specfast.targets.base import default_aux_layers
 
     ids = smol_prompts(smol)[1]
     model = specfast.load_model(smollm_gguf, dtype="float32")

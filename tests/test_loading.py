@@ -122,7 +122,7 @@ def llama_cpp_permute(w, n_head):
 
 @pytest.mark.parametrize(("rows", "n_head"), [(576, 9), (192, 3), (64, 1)])
 def test_unpermute_inverts_llama_cpp_permute(rows, n_head):
-    from specfast.loading import _unpermute
+    from specfast.formats.gguf import _unpermute
 
     w = np.random.default_rng(0).standard_normal((rows, 5)).astype(np.float32)
     p = llama_cpp_permute(w, n_head)

@@ -7,7 +7,7 @@ import torch
 
 from specfast import Model, ModelConfig
 from specfast._core import Int8Matrix
-from specfast.kv_cache import KVCache
+from specfast.targets.torch.kv_cache import KVCache
 
 
 def full_logits(model, ids):

@@ -8,8 +8,8 @@ import random
 import pytest
 
 import specfast
-from specfast.model import Decoder, Model, ModelConfig
 from specfast.session import Session
+from specfast.targets.torch.model import Decoder, Model, ModelConfig
 
 CONFIG = ModelConfig(
     vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_context=512
@@ -205,7 +205,7 @@ def shared_state(a, b) -> list[str]:
 
     from specfast.eagle import EagleHead
     from specfast.eagle_draft import FastLinears
-    from specfast.model import OutputRows
+    from specfast.targets.torch.model import OutputRows
 
     # Weights (OutputRows: a model's projection rows, cached per model) and immutables.
     skip = (Model, OutputRows, EagleHead, FastLinears, torch.nn.Module, torch.Tensor, torch.device,

@@ -1,4 +1,4 @@
-"""Static-shape compiled steps (specfast.steps, Model.forward_static) and dtype="auto".
+"""Static-shape compiled steps (targets/torch/steps.py, Model.forward_static) and dtype="auto".
 
 The claims: a step never synchronises with the host; every bucket compiles to one graph with no
 break, and no acceptance count causes a recompile; compiled output is token for token what
@@ -15,8 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specfast
-from specfast import hardware, steps
-from specfast.model import Model, ModelConfig, resolve_dtype
+from specfast import hardware
+from specfast.targets.torch import steps
+from specfast.targets.torch.model import Model, ModelConfig, resolve_dtype
 
 CONFIG = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_context=512)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]
@@ -252,7 +253,7 @@ def test_load_model_auto_sets_model_dtype(monkeypatch, tmp_path):
 
 def test_cli_choices_match_the_runtime():
     from specfast import cli
-    from specfast.model import DTYPE_CHOICES
+    from specfast.targets.torch.model import DTYPE_CHOICES
 
     assert cli.DTYPE_CHOICES == DTYPE_CHOICES
     assert cli.COMPILE_CHOICES == steps.COMPILE_CHOICES

@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_fake_cuda import DRAFT, FakeCuda, cuda_head, cuda_model, run
 
-from specfast import steps
-from specfast.model import Decoder, Model
+from specfast.targets.torch import steps
+from specfast.targets.torch.model import Decoder, Model
 
 generate_module = importlib.import_module("specfast.generate")
 

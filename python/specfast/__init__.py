@@ -3,14 +3,15 @@
 from specfast._core import NgramDrafter
 from specfast.draft import CombinedDrafter
 from specfast.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
+from specfast.formats import load_model
 from specfast.generate import GenerateOutput, GenerationStats, generate
-from specfast.hf import HFDecoder
-from specfast.llama_cpp import LlamaDecoder
-from specfast.loading import default_model_path, load_model
-from specfast.model import Decoder, Model, ModelConfig
-from specfast.runtime import make_decoder
 from specfast.sampling import accept_greedy, accept_sampled, accept_sampled_torch, logits_to_probs
 from specfast.session import Session, Turn
+from specfast.targets import make_decoder
+from specfast.targets.base import default_model_path
+from specfast.targets.hf import HFDecoder
+from specfast.targets.llama_cpp import LlamaDecoder
+from specfast.targets.torch.model import Decoder, Model, ModelConfig
 
 __version__ = "0.1.0"
 

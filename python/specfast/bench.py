@@ -754,7 +754,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
 
     requested_dtype = args.dtype
     if args.dtype == "auto":  # one concrete dtype for every engine, transformers' included
-        from specfast.model import resolve_dtype
+        from specfast.targets.torch.model import resolve_dtype
 
         args.dtype = str(resolve_dtype("auto", args.device)).removeprefix("torch.")
     print(f"loading {model_path} ({args.dtype}, {args.device})", file=sys.stderr)
@@ -796,7 +796,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         def encode(text: str) -> list[int]:
             return list(sf_model.tokenizer.encode(text).ids)
     elif llama_any is not None:
-        from specfast.llama_cpp import LlamaTokenizer
+        from specfast.targets.llama_cpp import LlamaTokenizer
 
         template = llama_any.metadata.get("tokenizer.chat_template")
         encode = LlamaTokenizer(llama_any).encode
@@ -909,7 +909,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     if sf_model is not None:
         eos_ids = list(getattr(sf_model, "eos_token_ids", None) or [])
     elif llama_any is not None:
-        from specfast.llama_cpp import llama_eos_ids
+        from specfast.targets.llama_cpp import llama_eos_ids
 
         eos_ids = llama_eos_ids(llama_any)
     elif hf_model is not None:

@@ -24,11 +24,11 @@ from specfast.bench import (
     pass_cost_report,
 )
 from specfast.eagle_cli import add_train_eagle, cmd_train_eagle
-from specfast.int8 import WEIGHTS_CHOICES, int8_kernel
+from specfast.targets.torch.int8 import WEIGHTS_CHOICES, int8_kernel
 from specfast.workloads import KINDS
 
-# As specfast.model.DTYPE_CHOICES and specfast.steps.COMPILE_CHOICES (a test checks), spelled out
-# here so the CLI starts without importing torch.
+# As specfast.targets.torch.model.DTYPE_CHOICES and specfast.targets.torch.steps.COMPILE_CHOICES
+# (a test checks), spelled out here so the CLI starts without importing torch.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_CHOICES = ("auto", "on", "off")
 

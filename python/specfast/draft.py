@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specfast.model import Model
-from specfast.runtime import copy_decoder, make_decoder, model_facts, tokenizer_vocab
 from specfast.sampling import copy_generator, logits_to_probs
-from specfast.steps import to_device
+from specfast.targets import copy_decoder, make_decoder, model_facts, tokenizer_vocab
+from specfast.targets.base import to_device
+from specfast.targets.torch.model import Model
 
 # A draft model whose vocabulary is larger than twice this proposes from its this-many lowest
 # token ids plus every token of the sequence (see DraftVocabulary); "auto" in generate().
@@ -275,7 +275,7 @@ def check_same_vocabulary(target, draft) -> None:
 
 def parameter_count(model) -> int:
     """Parameters of a torch model, or of a llama_cpp.Llama (which has no .parameters())."""
-    from specfast.llama_cpp import is_llama
+    from specfast.targets.llama_cpp import is_llama
 
     if is_llama(model):
         import llama_cpp

@@ -321,7 +321,7 @@ def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_id
     from specfast.draft import CombinedDrafter, DraftModelDrafter
     from specfast.eagle import EagleHead
     from specfast.eagle_draft import eagle_drafter
-    from specfast.runtime import is_model
+    from specfast.targets import is_model
 
     if drafter is None:
         return NoDraft()

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfast.model import Model, default_aux_layers, resolve_dtype, rope_inv_freq
+from specfast.targets.base import default_aux_layers
+from specfast.targets.torch.model import Model, resolve_dtype, rope_inv_freq
 
 if TYPE_CHECKING:
     from specfast.eagle_draft import FastLinears
@@ -553,8 +554,9 @@ class EagleTarget:
 def eagle_target(target) -> EagleTarget:
     """A specfast Model, or a llama_cpp.Llama whose llama.cpp returns per-layer inputs (the
     head then runs in torch at dtype "auto" on the CPU); the error says why any other is not."""
-    from specfast.hf import is_hf_model
-    from specfast.llama_cpp import check_layer_inputs, is_llama, llama_embedding
+    from specfast.formats.gguf import llama_embedding
+    from specfast.targets.hf import is_hf_model
+    from specfast.targets.llama_cpp import check_layer_inputs, is_llama
 
     if isinstance(target, Model):
         c = target.config

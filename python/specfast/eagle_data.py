@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from specfast import workloads
-from specfast.model import default_aux_layers  # noqa: F401  (what capture's callers pass)
+from specfast.targets.base import default_aux_layers  # noqa: F401  (what capture's callers pass)
 
 # ---------------------------------------------------------------------------- the split
 
@@ -585,14 +585,14 @@ def target_features(model, ids: torch.Tensor, aux_layers) -> tuple[torch.Tensor,
     replaced by the identity so the normed hidden state comes out, then projected here as
     Model._head would (same weights, same packing).
     """
-    from specfast.model import _linear
+    from specfast.targets.torch.model import linear
 
     decoder = model.decoder(len(ids))
     normed, feats = decoder.forward(ids, head=lambda x: x, features=list(aux_layers))
     normed = normed.to(model.dtype)  # forward returns float32; the cast back is exact
     packed = model.packed_weights()
     with torch.no_grad():
-        logits = _linear(normed, model.output_weight, packed[-1] if packed else None)
+        logits = linear(normed, model.output_weight, packed[-1] if packed else None)
     # inference tensors (the decoder runs in inference mode) -> plain ones for training
     return feats.clone(), normed.clone(), logits.argmax(dim=-1)
 

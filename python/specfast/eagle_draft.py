@@ -15,9 +15,9 @@ from specfast import eagle
 from specfast.autok import AutoK
 from specfast.drafters import Proposal, Verified, _Base, _observe_model, clone_ngram, copy_auto
 from specfast.eagle import EagleHead, check_config_for_target, eagle_target, load_eagle
-from specfast.kv_cache import KVCache
 from specfast.sampling import copy_generator, logits_to_probs
-from specfast.steps import to_device
+from specfast.targets.base import to_device
+from specfast.targets.torch.kv_cache import KVCache
 
 
 class FastLinears:
@@ -28,7 +28,7 @@ class FastLinears:
     head's own weights stay what training and saving use."""
 
     def __init__(self, head: EagleHead):
-        from specfast.model import _HAS_MKLDNN_LINEAR
+        from specfast.targets.torch.model import HAS_MKLDNN_LINEAR
 
         mid = head.midlayer
         a, m = mid.self_attn, mid.mlp
@@ -42,7 +42,7 @@ class FastLinears:
         }
         self.weights = {k: w.detach().contiguous() for k, w in weights.items()}
         self.packed: dict = dict.fromkeys(self.weights)
-        if head.fc.weight.device.type == "cpu" and _HAS_MKLDNN_LINEAR:
+        if head.fc.weight.device.type == "cpu" and HAS_MKLDNN_LINEAR:
             try:
                 for k, w in self.weights.items():
                     self.packed[k] = torch.ops.mkldnn._reorder_linear_weight(w, 16)
@@ -50,9 +50,9 @@ class FastLinears:
                 self.packed = dict.fromkeys(self.weights)
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        from specfast.model import _linear
+        from specfast.targets.torch.model import linear
 
-        return _linear(x, self.weights[name], self.packed[name])
+        return linear(x, self.weights[name], self.packed[name])
 
 
 # ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from specfast.sampling import (
     position_uniforms,
     sample_rows,
 )
-from specfast.steps import to_device
+from specfast.targets.base import to_device
 from specfast.workloads import render_chat
 
 MAX_SPECULATIVE_TOKENS = 64
@@ -209,7 +209,7 @@ def check_settings(
     ignore_eos: bool = False,
 ) -> Settings:
     """Checks generate()'s per-call options; ValueError/TypeError say what is allowed."""
-    from specfast.runtime import model_facts
+    from specfast.targets import model_facts
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise TypeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -271,7 +271,7 @@ def generate(
     A call is a one-turn Session: it prefills the whole prompt into a fresh cache.
     """
     from specfast.draft import common_tokens
-    from specfast.runtime import context_hint, is_model, make_decoder, model_facts, model_tokenizer
+    from specfast.targets import context_hint, is_model, make_decoder, model_facts, model_tokenizer
 
     fixed_k = check_k(num_speculative_tokens)
     if not is_model(model):
@@ -462,7 +462,7 @@ def _eos_ids(eos_token_id, model, tokenizer, ignore_eos: bool) -> set[int]:
     if ignore_eos:
         return set()
     if eos_token_id is None:
-        from specfast.runtime import model_eos_ids
+        from specfast.targets import model_eos_ids
 
         return set(model_eos_ids(model) or _hf_eos(model))
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specfast.targets.llama_cpp import check_llama_build
+
 LLAMA_ENGINES = (
     "llama.cpp-plain",
     "llama.cpp-lookup",
@@ -47,8 +49,6 @@ def load_llamas(
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    from specfast.llama_cpp import check_llama_build
-
     check_llama_build()  # before any Llama: loading one runs the build's kernels
 
     def load(path: Path, **kw):
@@ -74,7 +74,7 @@ def load_llamas(
 def llama_cpp_engine(llama: Any, *, max_new_tokens: int):
     """Llama.generate, greedy, as an engine; counts its target passes (llama.eval calls)."""
     from specfast.bench import EngineOutput
-    from specfast.llama_cpp import llama_threads, tile_restorer
+    from specfast.targets.llama_cpp import llama_threads, tile_restorer
 
     passes = [0]
     real_eval = llama.eval
@@ -149,7 +149,7 @@ def build_llama_engines(
 def _then_plain_graph(run, llama):
     """`run`, after which the Llama's layer inputs are off again: the engines that share the
     Llama (llama.cpp-plain's own loop among them) run llama.cpp's plain graph."""
-    from specfast.llama_cpp import LayerInputs
+    from specfast.targets.llama_cpp import LayerInputs
 
     def wrapped(ids):
         try:

@@ -57,7 +57,7 @@ from specfast.generate import (
     generate,
     run_turn,
 )
-from specfast.runtime import copy_decoder, model_tokenizer
+from specfast.targets import copy_decoder, model_tokenizer
 
 DEFAULT_MAX_LENGTH = 8192
 # Options fixed when the session starts: they shape the drafter.
@@ -102,7 +102,7 @@ class Session:
         **defaults: Any,
     ):
         from specfast.draft import common_tokens
-        from specfast.runtime import is_model, model_facts
+        from specfast.targets import is_model, model_facts
 
         if not is_model(model):
             raise TypeError(
@@ -190,7 +190,7 @@ class Session:
             )
         keep = _common_prefix(ids, self._ids)
         if self._decoder is None:
-            from specfast.runtime import make_decoder
+            from specfast.targets import make_decoder
 
             self._decoder = make_decoder(self.model, self.max_length)
         before_ids, before_cache = self._ids, self._decoder.length
@@ -322,7 +322,7 @@ def corpus_fingerprint(model, tokenizer=None) -> str:
     """What a saved corpus must match to be loaded: the tokenizer's vocabulary size and hash
     (corpus.tokenizer_fingerprint), or the model's vocabulary size when it has no tokenizer."""
     from specfast.corpus import tokenizer_fingerprint
-    from specfast.runtime import model_facts
+    from specfast.targets import model_facts
 
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tokenizer is not None and callable(getattr(tokenizer, "get_vocab", None)):

@@ -4,12 +4,24 @@ never does."""
 
 from __future__ import annotations
 
-import torch
+import copy
+from typing import TYPE_CHECKING
 
-from specfast import hf
-from specfast.hf import hf_vocab_and_context, is_hf_model
-from specfast.llama_cpp import LlamaDecoder, LlamaTokenizer, is_llama, llama_eos_ids, llama_facts
-from specfast.model import Model
+from specfast.targets import hf
+from specfast.targets.hf import HFDecoder, hf_vocab_and_context, is_hf_model
+from specfast.targets.llama_cpp import (
+    LlamaDecoder,
+    LlamaTokenizer,
+    is_llama,
+    llama_eos_ids,
+    llama_facts,
+)
+from specfast.targets.torch.model import Decoder, Model
+
+if TYPE_CHECKING:
+    # Only for annotations: at run time `torch` here names this package's torch/ (specfast's
+    # runtime), which importing it binds as an attribute of specfast.targets.
+    import torch
 
 __all__ = [
     "context_hint",
@@ -73,11 +85,6 @@ def tokenizer_vocab(model) -> dict[str, int] | None:
 
 def copy_decoder(model, decoder):
     """A new decoder of `model` holding `decoder`'s first `decoder.length` positions (fork)."""
-    import copy
-
-    from specfast.hf import HFDecoder
-    from specfast.model import Decoder
-
     if isinstance(decoder, Decoder):
         new = model.decoder(decoder.max_length)
         new.cache.copy_from(decoder.cache)

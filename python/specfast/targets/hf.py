@@ -9,9 +9,8 @@ import inspect
 
 import torch
 
-from .kv_cache import check_rollback
-from .model import Model, check_ids
-from .steps import to_device
+from specfast.targets.base import check_ids, check_rollback, to_device
+from specfast.targets.torch.model import Model
 
 
 def is_hf_model(obj) -> bool:

@@ -6,6 +6,8 @@ import weakref
 
 import torch
 
+from specfast.targets.base import check_rollback
+
 
 class KVCache:
     """Per layer, keys and values for positions [0, max_length), and how many are valid.
@@ -84,11 +86,3 @@ def static_cache(model, capacity: int) -> KVCache:
     cache = KVCache(c.n_layers, c.n_kv_heads, capacity, c.head_dim, *key[1:], buffers=buffers)
     weakref.finalize(cache, free.append, (cache.k, cache.v))
     return cache
-
-
-def check_rollback(length, current: int) -> None:
-    """What every decoder's rollback accepts: an int in [0, current]."""
-    if not isinstance(length, int) or isinstance(length, bool):
-        raise TypeError(f"rollback length must be an int, got {type(length).__name__}")
-    if not 0 <= length <= current:
-        raise ValueError(f"can only roll back to a length in [0, {current}], got {length}")

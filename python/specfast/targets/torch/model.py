@@ -18,8 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specfast._core import int8_layer
-
-from .int8 import (
+from specfast.hardware import auto_dtype
+from specfast.targets.base import (
+    check_aux_layers,
+    check_ids,
+    to_device,
+)
+from specfast.targets.torch.int8 import (
     INT8_SERIAL_ROWS,
     Int8Matrix,
     dequantize,
@@ -28,8 +33,8 @@ from .int8 import (
     quantize,
     torch_threads,
 )
-from .kv_cache import KVCache, static_cache
-from .steps import BUCKETS, bucket, compile_step, static_capacity, to_device
+from specfast.targets.torch.kv_cache import KVCache, static_cache
+from specfast.targets.torch.steps import BUCKETS, bucket, compile_step, static_capacity
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPES.update({"bf16": torch.bfloat16, "float": torch.float32})
@@ -46,8 +51,6 @@ def resolve_dtype(dtype, device=None) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in set(_DTYPES.values()):
         return dtype
     if dtype == "auto":
-        from .hardware import auto_dtype
-
         return auto_dtype(resolve_device(device))
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
@@ -145,14 +148,14 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 # -----------------------------------------------------------------------------
 # the model
 
-_HAS_MKLDNN_LINEAR = (
+HAS_MKLDNN_LINEAR = (
     torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 )
 
 
-def _linear(x, weight, packed=None, bias=None):
+def linear(x, weight, packed=None, bias=None):
     """F.linear, through a oneDNN-prepacked weight or an int8 matrix if given."""
     if packed is None:
         return F.linear(x, weight, bias)
@@ -262,7 +265,7 @@ class Model(nn.Module):
         self, enabled: bool = True, mode: str | None = None, backend: str = "inductor"
     ) -> Model:
         """Decoders made from now on run decode and verify passes as compiled static-shape
-        steps (enabled=False: eager again). See specfast.steps. Returns self."""
+        steps (enabled=False: eager again). See specfast.targets.torch.steps. Returns self."""
         if enabled and self.int8:
             raise ValueError("int8 weights run eagerly on CPU; compile a float model instead")
         self.unpack()  # a compiled step reads the plain weights (packed_weights keeps them then)
@@ -363,7 +366,7 @@ class Model(nn.Module):
                 _to_placeholder(m)
             return p
 
-        if self.device.type == "cpu" and (self.int8 or (self.prepack and _HAS_MKLDNN_LINEAR)):
+        if self.device.type == "cpu" and (self.int8 or (self.prepack and HAS_MKLDNN_LINEAR)):
             try:
                 for layer in self.layers:
                     packed.append(
@@ -440,9 +443,9 @@ class Model(nn.Module):
 
     def quantize_int8(self) -> Model:
         """Runs every matrix but the embedding lookup with int8 weights, on CPU (see
-        specfast.int8): one scale per output row, and each activation row quantized on its own,
-        so a verify pass gives row for row what one-token passes give. A pass reads a quarter
-        of float32's bytes.
+        specfast.targets.torch.int8): one scale per output row, and each activation row
+        quantized on its own, so a verify pass gives row for row what one-token passes give. A
+        pass reads a quarter of float32's bytes.
 
         The int8 matrices replace the float ones (unpack() brings them back dequantized).
         Quantizing changes what the model generates, as a lower dtype does; its speculative
@@ -569,7 +572,7 @@ class Model(nn.Module):
                 aux[i] = x  # (T, D): the input of layer i = the output of layer i - 1
             pw = packed[i] if packed else (None,) * 4
             h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps)
-            qkv = _linear(h, layer.wqkv.weight, pw[0], layer.wqkv.bias)  # (T, (H + 2Hkv) * hd)
+            qkv = linear(h, layer.wqkv.weight, pw[0], layer.wqkv.bias)  # (T, (H + 2Hkv) * hd)
             qk = qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd)
             v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
             x1, x2 = qk.chunk(2, dim=-1)
@@ -579,10 +582,10 @@ class Model(nn.Module):
             q = q.transpose(0, 1).reshape(Hkv, g * T, hd)
             y = attend(i, q, k.transpose(0, 1), v.transpose(0, 1))  # (Hkv, g*T, hd)
             y = y.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
-            x = x + _linear(y, layer.wo.weight, pw[1])
+            x = x + linear(y, layer.wo.weight, pw[1])
             h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
-            gate, up = _linear(h, layer.w_gate_up.weight, pw[2]).chunk(2, dim=-1)  # (T, F) each
-            x = x + _linear(F.silu(gate) * up, layer.w_down.weight, pw[3])
+            gate, up = linear(h, layer.w_gate_up.weight, pw[2]).chunk(2, dim=-1)  # (T, F) each
+            x = x + linear(F.silu(gate) * up, layer.w_down.weight, pw[3])
         return x
 
     def _int8_layers(self, x, cos, sin, attend, packed, aux=None, *, cache, pos) -> torch.Tensor:
@@ -620,7 +623,7 @@ class Model(nn.Module):
         if head is not None:
             return head(x)  # (T, S)
         if packed:  # (output_weight would rebuild a dense copy of a packed head: not read)
-            return _linear(x, None, packed[-1])  # (T, V)
+            return linear(x, None, packed[-1])  # (T, V)
         return F.linear(x, self.output_weight)  # (T, V)
 
 
@@ -634,71 +637,11 @@ class OutputRows:
         self.packed = model._pack(self.weight) if model.packed_weights() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.packed)
+        return linear(x, self.weight, self.packed)
 
 
 # -----------------------------------------------------------------------------
 # one sequence's decoding state
-
-
-def check_ids(ids, device, vocab_size: int, length: int, max_length: int) -> None:
-    """What a decoder's forward accepts: a non-empty 1-D integer tensor on its device, of ids in
-    the vocabulary (checked on CPU), that fits after `length` tokens in `max_length`."""
-    check_id_tensor(ids, device)
-    check_fits(ids.shape[0], length, max_length)
-    if ids.device.type != "cpu":
-        return  # the range check would cost a host sync; generate() checks ids on the host
-    lo, hi = torch.aminmax(ids)
-    check_id_range(lo.item(), hi.item(), vocab_size)
-
-
-def check_id_tensor(ids, device) -> None:
-    """check_ids's part that is about the tensor: 1-D, non-empty, integer, on `device`."""
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"ids must be a 1-D torch.LongTensor, got {type(ids).__name__}")
-    if ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"ids must be an integer (int64) tensor, got dtype {ids.dtype}")
-    if ids.dim() != 1 or ids.shape[0] == 0:
-        raise ValueError(f"ids must be 1-D and non-empty, got shape {tuple(ids.shape)}")
-    if ids.device != device:
-        raise ValueError(f"ids are on {ids.device} but the model is on {device}")
-
-
-def check_fits(n: int, length: int, max_length: int) -> None:
-    """n new tokens, at least one, fit after `length` tokens in `max_length`."""
-    if not 0 < n <= max_length - length:
-        raise ValueError(
-            f"cannot append {n} tokens at length {length}: the decoder holds 1 to "
-            f"{max_length - length} more (max_length {max_length})"
-        )
-
-
-def check_id_range(lo: int, hi: int, vocab_size: int) -> None:
-    """The smallest and largest id lie in the vocabulary."""
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"token ids must be in [0, {vocab_size}), got [{lo}, {hi}]")
-
-
-def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default target layers for an n-layer model: (2, n // 2, n - 3), as vLLM."""
-    return 2, n_layers // 2, n_layers - 3
-
-
-def check_aux_layers(features, n_layers: int) -> tuple[int, ...] | None:
-    """A decoder's `features` argument -> layer ids, or None when no features are asked for.
-    True means default_aux_layers; otherwise a non-empty sequence of ints in [0, n_layers)."""
-    if features is None or features is False:
-        return None
-    ids = default_aux_layers(n_layers) if features is True else features
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
-        raise TypeError(f"features must be True or a sequence of layer ids, got {features!r}")
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers:
-            raise ValueError(
-                f"feature layer ids must be ints in [0, {n_layers}) for this {n_layers}-layer "
-                f"model (the input of that layer), got {list(ids)}"
-            )
-    return tuple(ids)
 
 
 class Decoder:

