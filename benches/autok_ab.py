@@ -27,6 +27,7 @@ from pathlib import Path
 
 import specfast
 from specfast import autok, drafters
+from specfast.drafters import ngram
 from specfast.hardware import cpu_flags_label
 from specfast.llama_bench import llama_cpp_engine, load_llamas
 from specfast.targets.base import default_model_path
@@ -61,8 +62,8 @@ def module_from(path: Path):
 
 
 def use(module) -> None:
-    """make_drafter builds its AutoK from `module` from now on."""
-    drafters.AutoK = module.AutoK
+    """make_drafter builds its AutoK from `module` from now on (the n-gram drafter's: ngram.py)."""
+    ngram.AutoK = module.AutoK
     drafters.shared_pass_costs = module.shared_pass_costs
     drafters.shared_match_rates = module.shared_match_rates
 

@@ -195,7 +195,7 @@ def plain(target) -> list[int]:
 @pytest.fixture(scope="module")
 def fitted_head(target, plain):
     """A head of part of the vocabulary (200 of 300 ids, shuffled) that learned `plain`."""
-    from specfast.eagle import EagleConfig, random_head
+    from specfast.eagle.head import EagleConfig, random_head
 
     config = EagleConfig.for_target(target, draft_vocab_size=200, aux_layers=(1, 2, 4))
     head = random_head(config, seed=1)
@@ -228,7 +228,7 @@ def test_greedy_with_an_eagle_head_is_plain_greedy(target, plain, fitted_head, k
 def test_greedy_with_a_random_head_is_plain_greedy(target, plain):
     """Mostly rejected drafts, and a prompt that is not what any head saw."""
     import specfast
-    from specfast.eagle import EagleConfig, random_head
+    from specfast.eagle.head import EagleConfig, random_head
 
     head = random_head(EagleConfig.for_target(target, draft_vocab_size=50), seed=3, scale=10)
     prompt = [7, 3, 250, 11, 4]
@@ -271,16 +271,16 @@ def test_eagle_plus_ngram_is_plain_greedy(target, plain, fitted_head, k):
 
 def test_eagle_and_ngram_both_draft_with_a_fixed_k(target, fitted_head, monkeypatch):
     import specfast
-    import specfast.eagle_draft
+    import specfast.drafters.eagle
 
     sources = []
-    real = specfast.eagle_draft.EagleDraft._draft
+    real = specfast.drafters.eagle.EagleDraft._draft
 
     def count(self, k):
         sources.append("head")
         return real(self, k)
 
-    monkeypatch.setattr(specfast.eagle_draft.EagleDraft, "_draft", count)
+    monkeypatch.setattr(specfast.drafters.eagle.EagleDraft, "_draft", count)
     prompt = PROMPT[:12] + PROMPT[:12]  # repeats, then not
     want = specfast.generate(target, prompt, max_new_tokens=40, drafter=None).token_ids
     combined = specfast.CombinedDrafter(fitted_head, min_match=3)
@@ -296,7 +296,7 @@ def test_eagle_and_ngram_both_draft_with_a_fixed_k(target, fitted_head, monkeypa
 
 
 def small_head(target, vd: int = 40, **kw):
-    from specfast.eagle import EagleConfig, random_head
+    from specfast.eagle.head import EagleConfig, random_head
 
     head = random_head(EagleConfig.for_target(target, draft_vocab_size=vd, **kw), seed=5)
     head.set_draft_vocab(list(range(300 - vd, 300)))  # d2t = 300 - vd for every id
@@ -319,7 +319,7 @@ def test_save_and_load_round_trip(target, tmp_path):
     from safetensors import safe_open
 
     import specfast
-    from specfast.eagle import save_eagle
+    from specfast.eagle.head import save_eagle
 
     head = small_head(target)
     save_eagle(head, tmp_path, dtype="float32")
@@ -347,7 +347,7 @@ def test_bf16_file_and_model_prefix_and_own_embedding(target, tmp_path):
     from safetensors.torch import load_file, save_file
 
     import specfast
-    from specfast.eagle import EagleHead, save_eagle
+    from specfast.eagle.head import EagleHead, save_eagle
 
     head = small_head(target)
     save_eagle(head, tmp_path, dtype="bfloat16")
@@ -371,7 +371,7 @@ def write_head(target, path, edit=None, config_edit=None):
 
     from safetensors.torch import load_file, save_file
 
-    from specfast.eagle import save_eagle
+    from specfast.eagle.head import save_eagle
 
     save_eagle(small_head(target), path, dtype="float32")
     sd = load_file(str(path / "model.safetensors"))
@@ -460,9 +460,9 @@ def test_transformers_target_is_refused_with_a_reason(hf_and_ours):
 
 def test_eagle_string_without_a_shipped_head_says_so(target, monkeypatch, tmp_path):
     import specfast
-    import specfast.eagle_draft
+    import specfast.drafters.eagle
 
-    monkeypatch.setattr(specfast.eagle, "DEFAULT_HEAD", tmp_path / "absent")
+    monkeypatch.setattr(specfast.eagle.head, "DEFAULT_HEAD", tmp_path / "absent")
     with pytest.raises(ValueError, match="not there"):
         specfast.generate(target, [1, 2, 3], max_new_tokens=3, drafter="eagle")
     path = write_head(target, tmp_path / "h")
@@ -474,7 +474,7 @@ def test_cli_generate_and_bench_with_a_head(tiny_model_dir, tmp_path, capsys):  
     import json
 
     import specfast
-    from specfast.eagle import EagleConfig, random_head, save_eagle
+    from specfast.eagle.head import EagleConfig, random_head, save_eagle
 
     model = specfast.load_model(str(tiny_model_dir), dtype="float32")
     config = EagleConfig.for_target(model, draft_vocab_size=100, aux_layers=(0, 1, 1))
@@ -522,7 +522,7 @@ def head2(target2, vd: int, order):
     """A sharp random head (its q varies a lot with its inputs) over `vd` of the 4 tokens.
     A small rope_theta makes it sensitive to positions (so a cache that is not rolled back,
     which shifts them by one, shows)."""
-    from specfast.eagle import EagleConfig, random_head
+    from specfast.eagle.head import EagleConfig, random_head
 
     config = EagleConfig.for_target(
         target2, draft_vocab_size=vd, aux_layers=(0, 1, 2), rope_theta=3.0
@@ -641,7 +641,7 @@ def test_joint_with_the_heads_q_is_exact(target2, permuted_head, partial_head, w
 def test_negative_control_q_before_the_draft_vocabulary_mapping(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.eagle_draft
+    import specfast.drafters.eagle
 
     def unmapped(self, q):
         # The bug: draft id i's probability put on target id i, as if d2t were all zeros.
@@ -649,7 +649,7 @@ def test_negative_control_q_before_the_draft_vocabulary_mapping(
         full[:, : q.shape[1]] = q
         return full
 
-    monkeypatch.setattr(specfast.eagle_draft.EagleDraft, "_to_target", unmapped)
+    monkeypatch.setattr(specfast.drafters.eagle.EagleDraft, "_to_target", unmapped)
     # The filtered q has zeros (top-k), so some draft lands where the unmapped q is 0: the
     # acceptance core refuses it rather than letting a wrong distribution through.
     with pytest.raises(ValueError, match="draft probability 0"):
@@ -659,23 +659,23 @@ def test_negative_control_q_before_the_draft_vocabulary_mapping(
 def test_negative_control_features_from_the_wrong_layer(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.eagle_draft
+    import specfast.drafters.eagle
 
-    real_init = specfast.eagle_draft.EagleDraft.__init__
+    real_init = specfast.drafters.eagle.EagleDraft.__init__
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         # The bug: the output of each aux layer (the next layer's input) instead of its input.
         self.feature_layers = tuple(i + 1 for i in self.feature_layers)
 
-    monkeypatch.setattr(specfast.eagle_draft.EagleDraft, "__init__", init)
+    monkeypatch.setattr(specfast.drafters.eagle.EagleDraft, "__init__", init)
     assert chi2_pvalue(sample_outcomes(target2, permuted_head), exact_permuted) < ALPHA
 
 
 def test_negative_control_features_paired_with_the_wrong_position(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.eagle_draft
+    import specfast.drafters.eagle
 
     def feed_same_position(self, features):
         # The bug: position t's features read with token t instead of token t + 1.
@@ -683,21 +683,21 @@ def test_negative_control_features_paired_with_the_wrong_position(
         tokens = torch.tensor(self.committed[pos : pos + n])
         return self._step(self.head.fc(features), tokens)[-1:]
 
-    monkeypatch.setattr(specfast.eagle_draft.EagleDraft, "_feed", feed_same_position)
+    monkeypatch.setattr(specfast.drafters.eagle.EagleDraft, "_feed", feed_same_position)
     assert chi2_pvalue(sample_outcomes(target2, permuted_head), exact_permuted) < ALPHA
 
 
 def test_negative_control_head_cache_not_rolled_back(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.eagle_draft
+    import specfast.drafters.eagle
     from specfast.targets.torch.kv_cache import KVCache
 
     class NoRollback(KVCache):
         def rollback(self, length):
             pass  # the bug: last round's drafts stay in the head's cache, positions shift
 
-    monkeypatch.setattr(specfast.eagle_draft, "KVCache", NoRollback)
+    monkeypatch.setattr(specfast.drafters.eagle, "KVCache", NoRollback)
     assert chi2_pvalue(sample_outcomes(target2, permuted_head), exact_permuted) < ALPHA
 
 
@@ -710,7 +710,7 @@ def test_negative_control_head_cache_not_rolled_back(
 @pytest.mark.parametrize("k", [1, 4, "auto"])
 def test_smollm_greedy_with_the_shipped_head_is_plain_greedy(smollm, k):
     import specfast
-    from specfast.eagle import DEFAULT_HEAD, WEIGHTS
+    from specfast.eagle.head import DEFAULT_HEAD, WEIGHTS
     from specfast.workloads import render_chat
 
     if not (DEFAULT_HEAD / WEIGHTS).is_file():

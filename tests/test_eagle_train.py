@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specfast import eagle_data as ed
-from specfast import eagle_train as et
 from specfast import workloads
+from specfast.eagle import data as ed
+from specfast.eagle import train as et
+from specfast.targets.base import default_aux_layers
 from specfast.targets.torch.model import Model, ModelConfig
 
 
@@ -35,7 +36,7 @@ def random_docs(n: int, vocab: int, seed: int = 0, lo: int = 12, hi: int = 40):
 def captured(tmp_path):
     """(target, data dir, aux layers) with 24 random documents captured."""
     target = tiny_target()
-    aux = ed.default_aux_layers(target.config.n_layers)
+    aux = default_aux_layers(target.config.n_layers)
     ed.capture(target, random_docs(24, 200), tmp_path / "cap", aux, shard_tokens=300)
     return target, tmp_path / "cap", aux
 
@@ -352,9 +353,9 @@ def test_train_eagle_command_end_to_end(tmp_path):
 
 
 def test_trained_head_drafts_as_the_specfast_head_and_loads_back(captured, tmp_path):
-    """TrainHead's training-time-test step equals specfast.eagle.EagleHead.forward with the
+    """TrainHead's training-time-test step equals specfast.eagle.head.EagleHead.forward with the
     TTT mask (the drafter's class), and the saved head loads back through load_eagle."""
-    from specfast.eagle import load_eagle
+    from specfast.eagle.head import load_eagle
 
     target, folder, aux = captured
     et.train(target, folder, tmp_path / "h", tiny_cfg(steps=2, eval_every=2), aux)

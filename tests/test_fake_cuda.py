@@ -153,7 +153,7 @@ class FakeCuda:
         return step
 
     def __enter__(self) -> FakeCuda:
-        from specfast.eagle import EagleHead
+        from specfast.eagle.head import EagleHead
 
         real_generator = torch.Generator
         real_tolist = FakeTensor.tolist
@@ -233,7 +233,7 @@ def cuda_model(config: ModelConfig = CONFIG, static: bool = False) -> Model:
 
 
 def cuda_head(target: Model):
-    from specfast.eagle import EagleConfig, EagleHead
+    from specfast.eagle.head import EagleConfig, EagleHead
 
     with torch.device(CUDA):
         head = EagleHead(EagleConfig.for_target(target, draft_vocab_size=50))
@@ -302,7 +302,7 @@ def test_control_mixing_a_cpu_tensor_into_a_cuda_op_is_caught(monkeypatch):
 
 
 def test_control_a_cpu_generator_for_cuda_sampling_is_caught(monkeypatch):
-    from specfast.draft import DraftModelDrafter
+    from specfast.drafters.model import DraftModelDrafter
 
     real_init = DraftModelDrafter.__init__
 

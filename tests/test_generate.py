@@ -422,9 +422,12 @@ class ContentDecoder:
 
 def draft_cache_violations(monkeypatch, skip_rollback: bool) -> int:
     """Rounds at which the draft cache held a token that was never committed, before drafting."""
-    import specfast.draft
+    import specfast.drafters.model
 
-    real_make, real_propose = specfast.draft.make_decoder, specfast.draft.DraftModelDrafter.propose
+    real_make, real_propose = (
+        specfast.drafters.model.make_decoder,
+        specfast.drafters.model.DraftModelDrafter.propose,
+    )
     decoders: list[ContentDecoder] = []
 
     def make(m, n):
@@ -446,8 +449,8 @@ def draft_cache_violations(monkeypatch, skip_rollback: bool) -> int:
         dec.forward = first_forward
         return real_propose(self, k)
 
-    monkeypatch.setattr(specfast.draft, "make_decoder", make)
-    monkeypatch.setattr(specfast.draft.DraftModelDrafter, "propose", propose)
+    monkeypatch.setattr(specfast.drafters.model, "make_decoder", make)
+    monkeypatch.setattr(specfast.drafters.model.DraftModelDrafter, "propose", propose)
     target, draft = tiny("llama-gqa-untied", seed=0), tiny("llama-gqa-untied", seed=3)
     prompt = prompt_for(target)
     specfast.generate(target, prompt, max_new_tokens=40, drafter=draft, num_speculative_tokens=4)
@@ -532,9 +535,9 @@ def test_last_only_logits_equal_the_last_row():
 def proposals_outside(monkeypatch, draft_vocabulary) -> tuple[int, int]:
     """(drafts a draft model proposed outside its allowed tokens, drafts accepted), with the
     target as its own draft; allowed = ids below `draft_vocabulary` plus tokens seen so far."""
-    import specfast.draft
+    import specfast.drafters.model
 
-    real_propose = specfast.draft.DraftModelDrafter.propose
+    real_propose = specfast.drafters.model.DraftModelDrafter.propose
     outside = []
 
     def propose(self, k):
@@ -542,7 +545,7 @@ def proposals_outside(monkeypatch, draft_vocabulary) -> tuple[int, int]:
         outside.extend(t for t in tokens if t >= 16 and t not in self.committed)
         return tokens
 
-    monkeypatch.setattr(specfast.draft.DraftModelDrafter, "propose", propose)
+    monkeypatch.setattr(specfast.drafters.model.DraftModelDrafter, "propose", propose)
     target = tiny("llama-gqa-untied", seed=0)
     prompt = prompt_for(target)
     out = specfast.generate(

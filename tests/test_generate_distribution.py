@@ -212,10 +212,10 @@ def sample_filtered_report_unfiltered(self, logits):
 def test_negative_control_q_from_unfiltered_logits_is_caught(
     model, draft_model, exact_joint_top_k, monkeypatch
 ):
-    import specfast.draft
+    import specfast.drafters.model
 
     monkeypatch.setattr(
-        specfast.draft.DraftModelDrafter, "_step", sample_filtered_report_unfiltered
+        specfast.drafters.model.DraftModelDrafter, "_step", sample_filtered_report_unfiltered
     )
     counts = sample_joint_with_draft(model, draft_model, N)
     assert chi2_pvalue(counts, exact_joint_top_k) < ALPHA
@@ -251,9 +251,9 @@ def test_rounds_that_stop_on_the_drafts_probabilities_are_exact(
 def test_negative_control_dropping_an_unsure_draft_is_caught(
     model, draft_model, exact_joint_top_k, monkeypatch
 ):
-    import specfast.draft
+    import specfast.drafters.model
 
-    real_propose = specfast.draft.DraftModelDrafter.propose
+    real_propose = specfast.drafters.model.DraftModelDrafter.propose
 
     def drop_unsure(self, k):
         # The bug: the round ends on an unsure draft *and throws that draft away*. Which
@@ -267,7 +267,7 @@ def test_negative_control_dropping_an_unsure_draft_is_caught(
                 self.draft_probs = self.draft_probs[:-1]
         return tokens
 
-    monkeypatch.setattr(specfast.draft.DraftModelDrafter, "propose", drop_unsure)
+    monkeypatch.setattr(specfast.drafters.model.DraftModelDrafter, "propose", drop_unsure)
     counts = sample_joint_stopping_early(model, draft_model, monkeypatch)
     assert chi2_pvalue(counts, exact_joint_top_k) < ALPHA
 
@@ -294,23 +294,23 @@ def sample_joint_with_part_vocabulary(model, draft):
 
 
 def test_joint_with_a_draft_of_part_of_the_vocabulary_is_exact(model, draft_model, monkeypatch):
-    import specfast.draft
+    import specfast.drafters.model
 
     rows = []
-    real_expand = specfast.draft.DraftVocabulary.expand
+    real_expand = specfast.drafters.model.DraftVocabulary.expand
 
     def expand(self, q):
         rows.append(len(self))
         return real_expand(self, q)
 
-    monkeypatch.setattr(specfast.draft.DraftVocabulary, "expand", expand)
+    monkeypatch.setattr(specfast.drafters.model.DraftVocabulary, "expand", expand)
     counts = sample_joint_with_part_vocabulary(model, draft_model)
     assert min(rows) == 2 and max(rows) == V  # the subset was partial, then grew
     assert chi2_pvalue(counts, joint_top_k(model, GAPPY_PROMPT)) > ALPHA
 
 
 def test_negative_control_q_on_the_wrong_rows_is_caught(model, draft_model, monkeypatch):
-    import specfast.draft
+    import specfast.drafters.model
 
     def first_rows(self, q):
         # The bug: q's columns taken for tokens 0..S-1, as if the subset were the lowest ids.
@@ -318,7 +318,7 @@ def test_negative_control_q_on_the_wrong_rows_is_caught(model, draft_model, monk
         full[:, : q.shape[1]] = q
         return full
 
-    monkeypatch.setattr(specfast.draft.DraftVocabulary, "expand", first_rows)
+    monkeypatch.setattr(specfast.drafters.model.DraftVocabulary, "expand", first_rows)
     # A draft of token 2 then has q = 0 there: the acceptance core refuses it rather than
     # letting a wrong distribution through.
     with pytest.raises(ValueError, match="draft probability 0"):

@@ -16,7 +16,7 @@ import torch
 
 import specfast
 from specfast import NgramDrafter
-from specfast.draft import DraftModelDrafter
+from specfast.drafters.model import DraftModelDrafter
 from specfast.targets.torch.model import Decoder, Model, ModelConfig
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]

@@ -365,10 +365,10 @@ def test_level2_joint_with_a_draft_llama_is_exact(tiny, tiny_draft, exact_joint)
 def test_level2_negative_control_q_from_unfiltered_logits_is_caught(
     tiny, tiny_draft, exact_joint, monkeypatch
 ):
-    import specfast.draft
+    import specfast.drafters.model
 
     monkeypatch.setattr(
-        specfast.draft.DraftModelDrafter, "_step", sample_filtered_report_unfiltered
+        specfast.drafters.model.DraftModelDrafter, "_step", sample_filtered_report_unfiltered
     )
     counts = sample_joint(tiny, N, lambda: tiny_draft, num_speculative_tokens=2)
     assert pvalue(counts, exact_joint) < ALPHA

@@ -29,7 +29,7 @@ from test_llama_cpp import (  # noqa: E402
 )
 
 import specfast  # noqa: E402
-from specfast.eagle_draft import EagleDraft  # noqa: E402
+from specfast.drafters.eagle import EagleDraft  # noqa: E402
 from specfast.formats.gguf import llama_embedding  # noqa: E402
 from specfast.targets.llama_cpp import LayerInputs, LlamaDecoder  # noqa: E402
 
@@ -63,7 +63,7 @@ def plain(tiny) -> list[int]:
 def head(torch_target, plain):
     """A float32 head over 200 of the 320 ids, taught the target's greedy text through
     specfast's runtime (features from torch), never through llama.cpp."""
-    from specfast.eagle import EagleConfig, random_head
+    from specfast.eagle.head import EagleConfig, random_head
 
     config = EagleConfig.for_target(torch_target, draft_vocab_size=200, aux_layers=(0, 1, 1))
     head = random_head(config, seed=1)
@@ -262,7 +262,7 @@ def test_feature_layers_past_the_llama_are_refused(tiny):
 
 
 def test_a_head_for_another_hidden_size_is_refused(tiny, torch_target):
-    from specfast.eagle import EagleConfig, random_head
+    from specfast.eagle.head import EagleConfig, random_head
 
     config = EagleConfig.for_target(torch_target, draft_vocab_size=50, aux_layers=(0, 1, 1))
     config.target_hidden_size = 2 * config.target_hidden_size

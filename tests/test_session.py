@@ -124,7 +124,7 @@ def test_fork_continues_independently():
 
 
 def eagle_head(target):
-    from specfast.eagle import EagleConfig, random_head
+    from specfast.eagle.head import EagleConfig, random_head
 
     config = EagleConfig.for_target(target, draft_vocab_size=60, aux_layers=(0, 1, 1))
     return random_head(config, seed=3)  # the tiny target has 2 layers
@@ -203,8 +203,7 @@ def shared_state(a, b) -> list[str]:
     target's pass costs, shared on purpose, are not walked)."""
     import torch
 
-    from specfast.eagle import EagleHead
-    from specfast.eagle_draft import FastLinears
+    from specfast.eagle.head import EagleHead, FastLinears
     from specfast.targets.torch.model import OutputRows
 
     # Weights (OutputRows: a model's projection rows, cached per model) and immutables.
@@ -256,8 +255,8 @@ def test_a_forked_auto_k_drafter_owns_its_auto_k_and_equals_generate(kind):
 
 @pytest.mark.parametrize("kind", ["draft-model", "eagle"])
 def test_negative_control_a_fork_sharing_the_draft_cache_is_caught(kind, monkeypatch):
-    from specfast.draft import DraftModelDrafter
-    from specfast.eagle_draft import EagleDraft
+    from specfast.drafters.eagle import EagleDraft
+    from specfast.drafters.model import DraftModelDrafter
 
     # The bug: the fork's draft model (or EAGLE head) writes the parent's cache.
     cls, cache = (DraftModelDrafter, "decoder") if kind == "draft-model" else (EagleDraft, "cache")
@@ -275,7 +274,7 @@ def test_negative_control_a_fork_sharing_the_draft_cache_is_caught(kind, monkeyp
 
 
 def test_negative_control_a_fork_sharing_auto_k_is_caught(monkeypatch):
-    import specfast.drafters as drafters_module
+    import specfast.drafters.model as drafters_module
 
     monkeypatch.setattr(drafters_module, "copy_auto", lambda auto: auto)
     parent, child, _, _ = forked_conversation("draft-model", k="auto")

@@ -1,8 +1,8 @@
 """specfast: exact speculative decoding for local LLMs. Same text, sooner."""
 
 from specfast._core import NgramDrafter
-from specfast.draft import CombinedDrafter
-from specfast.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
+from specfast.drafters.combined import CombinedDrafter
+from specfast.eagle.head import EagleConfig, EagleHead, load_eagle, save_eagle
 from specfast.formats import load_model
 from specfast.generate import GenerateOutput, GenerationStats, generate
 from specfast.sampling import accept_greedy, accept_sampled, accept_sampled_torch, logits_to_probs

@@ -1,4 +1,4 @@
-"""`specfast train-eagle`: its arguments and command (the work is in specfast.eagle_train).
+"""`specfast train-eagle`: its arguments and command (the work is in specfast.eagle.train).
 
 Imports no torch at load time, like cli.py, so `specfast --help` stays quick.
 """
@@ -53,7 +53,7 @@ def cmd_train_eagle(args: argparse.Namespace, resolve_model) -> int:
     target = resolve_model(args.target)
     import torch
 
-    from specfast.eagle_train import TrainConfig, train_eagle
+    from specfast.eagle.train import TrainConfig, train_eagle
 
     if args.threads:
         torch.set_num_threads(args.threads)

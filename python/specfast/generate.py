@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from specfast._core import accept_greedy, accept_sampled
-from specfast.drafters import Verified, feature_layers, make_drafter
-from specfast.int8 import torch_threads
+from specfast.drafters import make_drafter
+from specfast.drafters.base import Verified, feature_layers
 from specfast.sampling import (
     accept_sampled_torch,
     check_sampling_params,
@@ -29,6 +29,7 @@ from specfast.sampling import (
     sample_rows,
 )
 from specfast.targets.base import to_device
+from specfast.targets.torch.int8 import torch_threads
 from specfast.workloads import render_chat
 
 MAX_SPECULATIVE_TOKENS = 64
@@ -270,7 +271,7 @@ def generate(
     ids plus the sequence's own tokens; "auto" = 32768 for vocabularies over 65536, None = all.
     A call is a one-turn Session: it prefills the whole prompt into a fresh cache.
     """
-    from specfast.draft import common_tokens
+    from specfast.drafters.model import common_tokens
     from specfast.targets import context_hint, is_model, make_decoder, model_facts, model_tokenizer
 
     fixed_k = check_k(num_speculative_tokens)

@@ -101,7 +101,7 @@ class Session:
         tokenizer: Any = None,
         **defaults: Any,
     ):
-        from specfast.draft import common_tokens
+        from specfast.drafters.model import common_tokens
         from specfast.targets import is_model, model_facts
 
         if not is_model(model):

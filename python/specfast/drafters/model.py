@@ -28,9 +28,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specfast.autok import AutoK
+from specfast.drafters.base import Base, Proposal, copy_auto, observe_model
 from specfast.sampling import copy_generator, logits_to_probs
 from specfast.targets import copy_decoder, make_decoder, model_facts, tokenizer_vocab
 from specfast.targets.base import to_device
+from specfast.targets.llama_cpp import is_llama
 from specfast.targets.torch.model import Model
 
 # A draft model whose vocabulary is larger than twice this proposes from its this-many lowest
@@ -275,8 +278,6 @@ def check_same_vocabulary(target, draft) -> None:
 
 def parameter_count(model) -> int:
     """Parameters of a torch model, or of a llama_cpp.Llama (which has no .parameters())."""
-    from specfast.targets.llama_cpp import is_llama
-
     if is_llama(model):
         import llama_cpp
 
@@ -302,68 +303,50 @@ def warn_if_draft_larger(target, draft) -> None:
 def _caller_stacklevel() -> int:
     """The warnings stacklevel of the first frame outside specfast, so a warning points at the
     user's line however deep inside the package it was raised."""
-    package = os.path.dirname(__file__)
+    package = os.path.dirname(os.path.dirname(__file__))  # specfast/, not specfast/drafters/
     frame, level = sys._getframe(1), 1  # the function that warns
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level
 
 
-class CombinedDrafter:
-    """The n-gram proposal where the context repeats, the draft model's everywhere else. Pass it
-    as generate(..., drafter=CombinedDrafter(draft)). With "auto" k, each round takes whichever
-    source the measured acceptance and costs say pays more (or neither); with a fixed k, the
-    n-gram drafts when its match is at least `min_match` tokens long.
+class ModelDraft(Base):
+    """A draft model (draft.DraftModelDrafter). Auto k: up to AutoK's `max_draft_k` steps, cut
+    by the calibrated `keep_drafting`, or none when drafting does not pay."""
 
-    n-gram drafts cost microseconds and win where output copies input; a draft model costs k
-    small forwards and wins on open text. The draft model's cache falls behind while the n-gram
-    drafts, and catches up in one pass on its next proposal.
-    """
-
-    def __init__(self, draft_model, *, min_match: int = 3, ngram=None):
-        from specfast._core import NgramDrafter
-
-        if isinstance(min_match, bool) or not isinstance(min_match, int) or min_match < 1:
-            raise ValueError(f"min_match must be an int >= 1, got {min_match!r}")
-        self.model = draft_model
-        self.min_match = min_match
-        self.ngram = ngram if ngram is not None else NgramDrafter()
-        self.draft: DraftModelDrafter | None = None  # bound by generate(), which knows the target
-        self.draft_probs: torch.Tensor | None = None
-        self.confidences: list[float] = []  # the draft model's, when it drafted this round
-        # Set by generate()'s auto k each round: True = n-gram, False = model, None = min_match.
-        self.use_ngram: bool | None = None
-
-    def bind(self, draft: DraftModelDrafter) -> None:
-        self.draft = draft
-
-    def _ngram_turn(self) -> bool:
-        if self.use_ngram is not None:
-            return self.use_ngram
-        return self.ngram.match_length >= self.min_match
-
-    @property
-    def match_length(self) -> int | None:
-        """The n-gram evidence when the n-gram drafts this round; None when the model does."""
-        return self.ngram.match_length if self._ngram_turn() else None
+    def __init__(self, inner, fixed_k: int | None):
+        self.inner = inner
+        self.fixed_k = fixed_k
+        self.auto = AutoK() if fixed_k is None else None
+        if self.auto is not None:
+            inner.keep_going = self.auto.keep_drafting
 
     def extend(self, tokens) -> None:
-        self.ngram.extend(tokens)
-        if self.draft is not None:
-            self.draft.extend(tokens)
+        self.inner.extend(tokens)
 
-    def prefill(self) -> None:
-        if self.draft is not None:
-            self.draft.prefill()
+    def prefill(self, features=None) -> None:
+        self.inner.prefill()
 
-    def propose(self, k: int) -> list[int]:
-        if self.draft is None:
-            raise ValueError("CombinedDrafter is bound to a target by generate(); pass it there")
-        if self._ngram_turn():
-            tokens = self.ngram.propose(k)
-            if tokens:
-                self.draft_probs, self.confidences = None, []  # one-hot drafts
-                return tokens
-        tokens = self.draft.propose(k)
-        self.draft_probs, self.confidences = self.draft.draft_probs, self.draft.confidences
-        return tokens
+    def start_turn(self, seed: int, params: dict | None) -> None:
+        self.inner.set_sampling(seed, params)
+
+    def propose(self, budget: int) -> Proposal:
+        k = self.fixed_k if self.auto is None else self.auto.choose_draft()
+        k = min(k, budget)
+        if k <= 0:
+            return Proposal([])
+        tokens = list(self.inner.propose(k))[:k]
+        return Proposal(tokens, self.inner.draft_probs, None, list(self.inner.confidences))
+
+    def observe(self, proposal, n_accepted, verify_seconds, verified) -> None:
+        if self.auto is not None:
+            observe_model(self.auto, proposal, n_accepted, verify_seconds)
+
+    def rollback(self, kept) -> None:
+        self.inner.truncate(len(kept))
+
+    def fork(self, ids) -> ModelDraft:
+        new = copy.copy(self)
+        new.auto = copy_auto(self.auto)
+        new.inner = self.inner.fork(new.auto)
+        return new

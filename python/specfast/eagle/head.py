@@ -17,8 +17,8 @@ predicts token t + 2. The features are the residual stream entering three target
 before with the token it just drafted, one position further. Draft id i is target id
 i + d2t[i]; the draft's q over the target vocabulary is zero outside the draft vocabulary.
 
-The drafter is `eagle_draft.EagleDraft`; generate.py hands it the target's features of every
-row the target keeps (drafters.py, `wants_features`).
+The drafter is `drafters/eagle.py`'s EagleDraft; generate.py hands it the target's features of
+every row the target keeps (drafters/base.py, `wants_features`).
 """
 
 from __future__ import annotations
@@ -28,17 +28,24 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from specfast.formats.gguf import llama_embedding
 from specfast.targets.base import default_aux_layers
-from specfast.targets.torch.model import Model, resolve_dtype, rope_inv_freq
-
-if TYPE_CHECKING:
-    from specfast.eagle_draft import FastLinears
+from specfast.targets.hf import is_hf_model
+from specfast.targets.llama_cpp import check_layer_inputs, is_llama
+from specfast.targets.torch.model import (
+    HAS_MKLDNN_LINEAR,
+    Model,
+    linear,
+    resolve_dtype,
+    rope_inv_freq,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
@@ -384,6 +391,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+class FastLinears:
+    """The head's matrices for drafting: q/k/v and gate/up fused (fewer ops per step), and on
+    CPU oneDNN-prepacked as the target's are (model.packed_weights says why). On the shared
+    2-core machine a packed and a plain SmolLM2-sized head step measured alike (1 thread,
+    fp32 and bf16), so the packing's gain here is unproven. A copy made once per drafter; the
+    head's own weights stay what training and saving use."""
+
+    def __init__(self, head: EagleHead):
+        mid = head.midlayer
+        a, m = mid.self_attn, mid.mlp
+        weights = {
+            "fc": head.fc.weight,
+            "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            "o": a.o_proj.weight,
+            "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+            "down": m.down_proj.weight,
+            "lm_head": head.lm_head.weight,
+        }
+        self.weights = {k: w.detach().contiguous() for k, w in weights.items()}
+        self.packed: dict = dict.fromkeys(self.weights)
+        if head.fc.weight.device.type == "cpu" and HAS_MKLDNN_LINEAR:
+            try:
+                for k, w in self.weights.items():
+                    self.packed[k] = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+            except RuntimeError:  # a oneDNN build that cannot pack this dtype: plain F.linear
+                self.packed = dict.fromkeys(self.weights)
+
+    def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weights[name], self.packed[name])
+
+
 def random_head(
     config: EagleConfig, seed: int = 0, own_embedding: bool = False, scale: float = 1.0
 ) -> EagleHead:
@@ -439,8 +477,6 @@ def save_eagle(head: EagleHead, path, dtype="bfloat16") -> Path:
 
     dtype: "bfloat16" (small, what is shipped) or "float32" for the float weights; d2t stays
     int64 and t2d bool. A shared embedding is not written (loaders use the target's)."""
-    from safetensors.torch import save_file
-
     dtype = resolve_dtype(dtype)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -465,8 +501,6 @@ def load_eagle(path=None, target=None, dtype=None) -> EagleHead:
     wrong shape, d2t outside the vocabulary, a vocabulary or hidden size that is not the
     target's, aux layer ids the target does not have.
     """
-    from safetensors import SafetensorError, safe_open
-
     folder = DEFAULT_HEAD if path is None else Path(path)
     if folder.is_file() and folder.name == WEIGHTS:
         folder = folder.parent
@@ -554,10 +588,6 @@ class EagleTarget:
 def eagle_target(target) -> EagleTarget:
     """A specfast Model, or a llama_cpp.Llama whose llama.cpp returns per-layer inputs (the
     head then runs in torch at dtype "auto" on the CPU); the error says why any other is not."""
-    from specfast.formats.gguf import llama_embedding
-    from specfast.targets.hf import is_hf_model
-    from specfast.targets.llama_cpp import check_layer_inputs, is_llama
-
     if isinstance(target, Model):
         c = target.config
         return EagleTarget(

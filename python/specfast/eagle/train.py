@@ -26,7 +26,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import nn
+
+from specfast import workloads
+from specfast.eagle import data as ed
+from specfast.eagle.data import target_features
+from specfast.eagle.head import EagleConfig, head_from_tensors, save_eagle
+from specfast.formats import load_model
+from specfast.generate import generate
+from specfast.targets.base import default_aux_layers
 
 # ---------------------------------------------------------------------------- the head
 
@@ -197,8 +207,6 @@ class Captured:
     """Documents captured by eagle_data.capture, read lazily from their shards."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
-
         self.files = sorted(Path(folder).glob("shard_*.safetensors"))
         if not self.files:
             raise ValueError(f"no captured shards (shard_*.safetensors) in {folder}")
@@ -356,9 +364,6 @@ def held_out_acceptance(
     greedy_acceptance). Greedy output does not depend on the drafter, so this is the
     mean_acceptance_length generate() reports at that k, up to float noise at near-ties.
     -> {name: {kind: {k: tau}}}."""
-    from specfast import generate, workloads
-    from specfast.eagle_data import target_features
-
     first = next(iter(heads.values()))
     aux = first.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     embed = target.embed.weight.detach().float()
@@ -381,8 +386,6 @@ def held_out_acceptance(
 
 def load_train_head(folder: Path) -> TrainHead:
     """A saved head (config.json + model.safetensors) as a float32 TrainHead."""
-    from safetensors.torch import load_file
-
     head = TrainHead(json.loads((Path(folder) / "config.json").read_text()))
     tensors = load_file(str(Path(folder) / "model.safetensors"))
     head.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items()})
@@ -620,19 +623,15 @@ class _progress:
 
 
 def to_eagle_head(head: TrainHead):
-    """The trained weights as specfast.eagle's EagleHead (the drafter's class), checked by its
+    """The trained weights as specfast.eagle.head's EagleHead (the drafter's class), checked by its
     loader's rules (shapes, d2t in range, t2d marking the same ids)."""
-    from specfast.eagle import EagleConfig, head_from_tensors
-
     tensors = {k: v.detach() for k, v in head.state_dict().items()}
     return head_from_tensors(EagleConfig.from_dict(dict(head.config)), tensors)
 
 
 def save_head(head: TrainHead, folder: Path) -> None:
-    """config.json + model.safetensors through specfast.eagle.save_eagle: SpecForge's names,
+    """config.json + model.safetensors through specfast.eagle.head.save_eagle: SpecForge's names,
     matrices and norms in bf16, d2t int64, t2d bool, no embedding (shared with the target)."""
-    from specfast.eagle import save_eagle
-
     save_eagle(to_eagle_head(head), folder, dtype="bfloat16")
 
 
@@ -663,8 +662,6 @@ def make_data(
 ) -> dict:
     """Answers (data_dir/answers.jsonl, resumable) then one capture pass (data_dir/captured,
     redone from scratch unless complete). Returns the data record (captured/done.json)."""
-    from specfast import eagle_data as ed
-
     captured = data_dir / "captured"
     done = captured / "done.json"
     if done.is_file():
@@ -719,9 +716,6 @@ def train_eagle(
     """`specfast train-eagle`: the target answers the training prompts, one forward per
     document captures its features and distributions, then the head trains; the head lands
     in out_dir (SpecForge layout) with curve.json and the data record."""
-    from specfast import load_model
-    from specfast.eagle_data import default_aux_layers
-
     target = load_model(target_path, dtype=dtype, compile="off")
     aux = default_aux_layers(target.config.n_layers)
     data_dir = data_dir or out_dir / "data"

@@ -1,0 +1,79 @@
+"""Drafters: one protocol for every drafter (base.py), so the speculative round has no branch
+per drafter kind; one module per kind (ngram, model, combined, eagle); and `make_drafter`,
+which turns generate()'s `drafter=` argument into one of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specfast._core import NgramDrafter
+from specfast.autok import shared_match_rates, shared_pass_costs
+from specfast.drafters.base import Drafter, NoDraft
+from specfast.drafters.combined import CombinedDraft, CombinedDrafter
+from specfast.drafters.eagle import eagle_drafter
+from specfast.drafters.model import DraftModelDrafter, ModelDraft
+from specfast.drafters.ngram import IndexDraft
+from specfast.eagle.head import EagleHead
+from specfast.targets import is_model
+
+
+def make_drafter(
+    drafter: Any,
+    *,
+    target,
+    fixed_k: int | None,
+    max_length: int,
+    seed: int,
+    params: dict,
+    vocabulary: int | str | None,
+    eos_ids: list[int],
+) -> Drafter:
+    """The protocol object for generate()'s `drafter` argument: "ngram", None, an NgramDrafter
+    (or any object with extend/propose), a draft model, a CombinedDrafter, or an EAGLE head
+    ("eagle", "eagle:PATH", an EagleHead from load_eagle). Its auto k starts from the pass
+    costs earlier calls measured on this target and the n-gram rates the last call ended with
+    (autok.shared_pass_costs, autok.shared_match_rates)."""
+    made = _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids)
+    auto = getattr(made, "auto", None)
+    if auto is not None:
+        auto.use_pass_costs(shared_pass_costs(target))
+        auto.use_match_rates(shared_match_rates(target))
+    return made
+
+
+def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids) -> Drafter:
+    if drafter is None:
+        return NoDraft()
+    if (
+        isinstance(drafter, EagleHead)
+        or (isinstance(drafter, str) and drafter.partition(":")[0] == "eagle")
+        or (isinstance(drafter, CombinedDrafter) and isinstance(drafter.model, EagleHead))
+    ):
+        return eagle_drafter(drafter, target, fixed_k, max_length)
+    if isinstance(drafter, str):
+        if drafter != "ngram":
+            raise ValueError(
+                f'drafter must be "ngram", "eagle", "eagle:PATH", None, an NgramDrafter, an '
+                f"EAGLE head or a model: {drafter!r}"
+            )
+        return IndexDraft(NgramDrafter(), fixed_k)
+    if is_model(drafter) or isinstance(drafter, CombinedDrafter):
+        model_drafter = DraftModelDrafter(
+            drafter.model if isinstance(drafter, CombinedDrafter) else drafter,
+            target=target,
+            max_length=max_length,
+            seed=seed,
+            vocabulary=vocabulary,
+            eos_ids=eos_ids,
+            **params,
+        )
+        if isinstance(drafter, CombinedDrafter):
+            drafter.bind(model_drafter)
+            return CombinedDraft(drafter, fixed_k)
+        return ModelDraft(model_drafter, fixed_k)
+    if hasattr(drafter, "propose") and hasattr(drafter, "extend"):
+        return IndexDraft(drafter, fixed_k)
+    raise TypeError(
+        'drafter must be "ngram", "eagle", None, an NgramDrafter, an EAGLE head or a draft '
+        f"model, got {type(drafter).__name__}"
+    )
