@@ -27,11 +27,11 @@ from pathlib import Path
 
 import specfast
 from specfast import autok, drafters
+from specfast.bench.llama import llama_cpp_engine, load_llamas
+from specfast.bench.workloads import build_workloads
 from specfast.drafters import ngram
 from specfast.hardware import cpu_flags_label
-from specfast.llama_bench import llama_cpp_engine, load_llamas
 from specfast.targets.base import default_model_path
-from specfast.workloads import build_workloads
 
 
 def load_autok(rev: str):

@@ -7,7 +7,7 @@ Off in the normal test run. Turn on with:
 Each benchmark's group is "<dtype> <workload kind>", so the table shows the engines side by side
 for one workload kind; extra_info carries tokens/s, mean acceptance length, target passes and
 whether the output is identical to the reference engine's. The same engines, workloads and EOS
-handling as `specfast bench` (see specfast/bench.py), which interleaves the runs and is the
+handling as `specfast bench` (see specfast/bench/), which interleaves the runs and is the
 source of the README figures.
 
 Environment:
@@ -23,7 +23,8 @@ import pytest
 
 import specfast
 from specfast import bench
-from specfast.workloads import KINDS, build_workloads
+from specfast.bench.engines import hf_engine, load_hf_model, specfast_engine
+from specfast.bench.workloads import KINDS, build_workloads
 
 DTYPES = os.environ.get("SPECFAST_BENCH_DTYPES", "bfloat16,float32").split(",")
 MAX_NEW_TOKENS = int(os.environ.get("SPECFAST_BENCH_TOKENS", "128"))
@@ -49,23 +50,21 @@ def _setup(dtype: str) -> dict:
         pytest.skip(str(e))
     pytest.importorskip("transformers")
     sf = specfast.load_model(str(path), dtype=dtype)
-    hf = bench.load_hf_model(path, dtype, "cpu")
+    hf = load_hf_model(path, dtype, "cpu")
     sf_draft = specfast.load_model(DRAFT, dtype=dtype) if DRAFT else None
-    hf_draft = bench.load_hf_model(DRAFT, dtype, "cpu") if DRAFT else None
+    hf_draft = load_hf_model(DRAFT, dtype, "cpu") if DRAFT else None
     n = MAX_NEW_TOKENS
     engines = {
-        "specfast-plain": bench.specfast_engine(sf, drafter=None, k="auto", max_new_tokens=n),
-        "specfast-ngram": bench.specfast_engine(sf, drafter="ngram", k="auto", max_new_tokens=n),
-        "hf-plain": bench.hf_engine(hf, "plain", max_new_tokens=n),
-        "hf-prompt-lookup": bench.hf_engine(hf, "prompt-lookup", max_new_tokens=n),
+        "specfast-plain": specfast_engine(sf, drafter=None, k="auto", max_new_tokens=n),
+        "specfast-ngram": specfast_engine(sf, drafter="ngram", k="auto", max_new_tokens=n),
+        "hf-plain": hf_engine(hf, "plain", max_new_tokens=n),
+        "hf-prompt-lookup": hf_engine(hf, "prompt-lookup", max_new_tokens=n),
     }
     if DRAFT:
-        engines["specfast-draft"] = bench.specfast_engine(
+        engines["specfast-draft"] = specfast_engine(
             sf, drafter=sf_draft, k="auto", max_new_tokens=n
         )
-        engines["hf-assisted"] = bench.hf_engine(
-            hf, "assisted", max_new_tokens=n, assistant=hf_draft
-        )
+        engines["hf-assisted"] = hf_engine(hf, "assisted", max_new_tokens=n, assistant=hf_draft)
     prompts = {
         w.kind: list(sf.tokenizer.encode(w.render(sf.chat_template)).ids)
         for w in build_workloads(KINDS, per_kind=1)

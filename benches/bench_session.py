@@ -16,7 +16,7 @@ checked identical):
 - turn-only: generate() on the full history with a fresh n-gram drafter that sees only this
   turn's message and reply (what a drafter without the conversation would know);
 - transformers: transformers' own `model.generate` (greedy) on the full history, with the same
-  GGUF weights in the same dtype (bench.load_hf_model, bench.hf_engine), asked for as many
+  GGUF weights in the same dtype (bench.engines.load_hf_model, hf_engine), asked for as many
   tokens as the session produced; and transformers' prompt lookup (prompt_lookup_num_tokens=10).
   `--no-transformers` leaves both out. Their tokens are compared with the session's and
   reported (identical, common_prefix); they are not asserted, as transformers' kernels may
@@ -49,7 +49,7 @@ import time
 import torch
 
 import specfast
-from specfast.bench import HF_PROMPT_LOOKUP_TOKENS, hf_engine, load_hf_model
+from specfast.bench.engines import HF_PROMPT_LOOKUP_TOKENS, hf_engine, load_hf_model
 from specfast.hardware import cpu_flags_label
 from specfast.session import Session
 

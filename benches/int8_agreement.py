@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import specfast
-from specfast.workloads import PLAYS, speeches
+from specfast.bench.workloads import PLAYS, speeches
 
 
 def texts() -> dict[str, str]:

@@ -35,10 +35,10 @@ from autok_ab import load_autok, use  # benches/, next to this script
 from llama_ceiling import pass_costs
 
 import specfast
+from specfast.bench.llama import llama_cpp_engine, load_llamas
+from specfast.bench.workloads import build_workloads
 from specfast.drafters import make_drafter
 from specfast.hardware import cpu_flags_label
-from specfast.llama_bench import llama_cpp_engine, load_llamas
-from specfast.workloads import build_workloads
 
 MAX_PASS = 17
 

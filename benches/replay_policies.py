@@ -16,7 +16,7 @@ import argparse
 import statistics
 
 import specfast
-from specfast.workloads import KINDS, build_workloads
+from specfast.bench.workloads import KINDS, build_workloads
 
 
 def replay(propose, prompt: list[int], output: list[int]) -> float:

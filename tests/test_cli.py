@@ -18,7 +18,8 @@ import pytest
 
 import specfast
 from specfast import bench, cli
-from specfast.bench import EngineOutput, Run
+from specfast.bench import Run
+from specfast.bench.engines import EngineOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_RUNTIME = all(hasattr(specfast, n) for n in ("load_model", "generate"))
@@ -150,7 +151,7 @@ def test_format_stats():
         accepted_tokens=88,
         acceptance_histogram=[10, 0, 5, 25],
     )
-    text = cli.format_stats(stats)
+    text = cli.common.format_stats(stats)
     assert "123.4 tokens/s" in text and "target passes: 40" in text
     assert "mean acceptance length: 3.20" in text
     assert "    3 | " in text and "    1 | " not in text  # empty buckets are left out
@@ -248,7 +249,7 @@ def test_specfast_engine_passes_the_benchmark_settings():
         )
         return SimpleNamespace(token_ids=[7, 8, 9, 10, 11, 12], stats=stats)
 
-    run = bench.specfast_engine(
+    run = bench.engines.specfast_engine(
         "M", drafter="ngram", k="auto", max_new_tokens=6, generate=fake_generate
     )
     out = run([1, 2])
@@ -312,15 +313,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def test_hf_engines_generate_exactly_n_tokens(tiny_model_dir):
-    m = bench.load_hf_model(tiny_model_dir, "float32", "cpu")
-    plain = bench.hf_engine(m, "plain", max_new_tokens=12)
-    lookup = bench.hf_engine(m, "prompt-lookup", max_new_tokens=12)
+    m = bench.engines.load_hf_model(tiny_model_dir, "float32", "cpu")
+    plain = bench.engines.hf_engine(m, "plain", max_new_tokens=12)
+    lookup = bench.engines.hf_engine(m, "prompt-lookup", max_new_tokens=12)
     ids = list(b"abcabcabcabcabc")
     a, b = plain(ids), lookup(ids)
     assert len(a.token_ids) == 12 and a.target_passes == 12 and a.mean_acceptance_length == 1.0
     assert b.token_ids == a.token_ids and b.target_passes <= 12
     with pytest.raises(ValueError, match="draft model"):
-        bench.hf_engine(m, "assisted", max_new_tokens=4)
+        bench.engines.hf_engine(m, "assisted", max_new_tokens=4)
 
 
 def test_bench_end_to_end_transformers_engines(tiny_model_dir, tmp_path, capsys):

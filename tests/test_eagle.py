@@ -711,7 +711,7 @@ def test_negative_control_head_cache_not_rolled_back(
 def test_smollm_greedy_with_the_shipped_head_is_plain_greedy(smollm, k):
     import specfast
     from specfast.eagle.head import DEFAULT_HEAD, WEIGHTS
-    from specfast.workloads import render_chat
+    from specfast.generate import render_chat
 
     if not (DEFAULT_HEAD / WEIGHTS).is_file():
         pytest.skip(f"no shipped EAGLE head at {DEFAULT_HEAD} yet (the trainer delivers it)")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specfast import workloads
+from specfast.bench import workloads
 from specfast.eagle import data as ed
 from specfast.eagle import train as et
 from specfast.targets.base import default_aux_layers

@@ -162,15 +162,16 @@ class RecordingDecoder:
 
 
 def test_cache_length_equals_committed_every_round(monkeypatch):
-    import specfast.targets
+    import importlib
 
+    generate_module = importlib.import_module("specfast.generate")  # the module, not the function
     model = tiny()
     prompt = prompt_for(model)
     want = plain(model, prompt, 40)
     log: list[tuple[int, int]] = []
-    real = specfast.targets.make_decoder
+    real = generate_module.make_decoder
     monkeypatch.setattr(
-        specfast.targets, "make_decoder", lambda m, n: RecordingDecoder(real(m, n), log)
+        generate_module, "make_decoder", lambda m, n: RecordingDecoder(real(m, n), log)
     )
     d = OracleDrafter(prompt, want, vocab=model.vocab_size, gap_every=3)
     out = specfast.generate(model, prompt, max_new_tokens=40, drafter=d, num_speculative_tokens=6)

@@ -139,8 +139,8 @@ class NoRollback:
 
 
 def test_negative_control_no_rollback_is_caught(model, exact_joint, monkeypatch):
-    real = specfast.targets.make_decoder
-    monkeypatch.setattr(specfast.targets, "make_decoder", lambda m, n: NoRollback(real(m, n + 4)))
+    real = generate_module.make_decoder
+    monkeypatch.setattr(generate_module, "make_decoder", lambda m, n: NoRollback(real(m, n + 4)))
     assert chi2_pvalue(sample_joint(model, N), exact_joint) < ALPHA
 
 

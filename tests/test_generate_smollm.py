@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import specfast
-from specfast.workloads import build_workloads
+from specfast.bench.workloads import build_workloads
 
 pytestmark = [pytest.mark.smollm, pytest.mark.slow]
 

@@ -283,11 +283,12 @@ def test_negative_control_state_reset_only_on_success(models, monkeypatch):
     # and reset only when a call returns normally. An interrupt skips the reset, and the same
     # check that passes above must then fail (a stale cache length changes the next output, or the
     # next call overflows the cache).
-    import specfast.targets
+    import importlib
 
+    generate_module = importlib.import_module("specfast.generate")  # the module, not the function
     model, _ = models
     fresh = _fresh(models, "auto-ngram")
-    real = specfast.targets.make_decoder
+    real = generate_module.make_decoder
     kept = {}
 
     def kept_decoder(m, max_length):
@@ -301,7 +302,7 @@ def test_negative_control_state_reset_only_on_success(models, monkeypatch):
             d.rollback(0)
         return out
 
-    monkeypatch.setattr(specfast.targets, "make_decoder", kept_decoder)
+    monkeypatch.setattr(generate_module, "make_decoder", kept_decoder)
     assert generate_resetting_on_success(model, PROMPT, max_new_tokens=NEW, ignore_eos=True
                                          ).token_ids == fresh  # fmt: skip
     wrapper, _ = _raise_on_call(3, Decoder.forward)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import specfast.llama_bench as llama_bench
+import specfast.bench.llama as llama_bench
 import specfast.targets.llama_cpp.build as lc
 import specfast.targets.llama_cpp.decoder as lcd
 
@@ -198,7 +198,7 @@ def test_load_llama_checks_before_building_the_llama(monkeypatch, built, smollm_
 
 
 def test_bench_checks_before_building_its_llamas(monkeypatch, built, tmp_path):
-    from specfast.llama_bench import load_llamas
+    from specfast.bench.llama import load_llamas
 
     with pytest.raises(RuntimeError, match="another CPU"):
         load_llamas(tmp_path / "m.gguf", ["llama.cpp-plain"], None)

@@ -255,8 +255,8 @@ def test_cli_choices_match_the_runtime():
     from specfast import cli
     from specfast.targets.torch.model import DTYPE_CHOICES
 
-    assert cli.DTYPE_CHOICES == DTYPE_CHOICES
-    assert cli.COMPILE_CHOICES == steps.COMPILE_CHOICES
+    assert cli.common.DTYPE_CHOICES == DTYPE_CHOICES
+    assert cli.common.COMPILE_CHOICES == steps.COMPILE_CHOICES
 
 
 # ----------------------------------------------------------------------------

@@ -13,13 +13,13 @@ import pytest
 import torch
 from test_fake_cuda import DRAFT, FakeCuda, cuda_head, cuda_model, run
 
-from specfast.targets.torch import steps
+from specfast.targets import base
 from specfast.targets.torch.model import Decoder, Model
 
 generate_module = importlib.import_module("specfast.generate")
 
 # model.py's Decoder.greedy_ids uploads the round's ids with torch.tensor(..., device=cuda), a
-# blocking copy: a second sync per greedy round until it uploads through steps.to_device.
+# blocking copy: a second sync per greedy round until it uploads through base.to_device.
 GREEDY_IDS_UPLOADS_BLOCKING = "to_device" not in Decoder.greedy_ids.__code__.co_names
 
 
@@ -69,7 +69,7 @@ def test_the_target_pass_of_a_greedy_eagle_round_syncs_once(static):
 
 
 def test_control_a_blocking_upload_is_counted(monkeypatch):
-    """generate.py's upload made blocking again (as before steps.to_device): two syncs."""
+    """generate.py's upload made blocking again (as before base.to_device): two syncs."""
 
     def blocking(values, device, dtype=torch.long):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -92,10 +92,10 @@ def test_control_an_item_inside_a_step_is_counted(monkeypatch):
 
 
 def test_to_device_copies_without_waiting_only_on_cuda():
-    ids = steps.to_device([1, 2, 3], torch.device("cpu"))
+    ids = base.to_device([1, 2, 3], torch.device("cpu"))
     assert ids.tolist() == [1, 2, 3] and ids.dtype == torch.long
     with FakeCuda() as fc:
-        on_cuda = steps.to_device([4, 5], torch.device("cuda"))
+        on_cuda = base.to_device([4, 5], torch.device("cuda"))
         assert on_cuda.device.type == "cuda" and fc.syncs == []
 
 

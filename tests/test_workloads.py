@@ -2,13 +2,8 @@
 
 import pytest
 
-from specfast.workloads import (
-    KINDS,
-    OPEN_QUESTIONS,
-    build_workloads,
-    render_chat,
-    speeches,
-)
+from specfast.bench.workloads import KINDS, OPEN_QUESTIONS, build_workloads, speeches
+from specfast.generate import render_chat
 
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -9,6 +9,7 @@ the same loop, the same runtime, no speculation.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import torch
 from specfast._core import accept_greedy, accept_sampled
 from specfast.drafters import make_drafter
 from specfast.drafters.base import Verified, feature_layers
+from specfast.drafters.model import common_tokens
 from specfast.sampling import (
     accept_sampled_torch,
     check_sampling_params,
@@ -28,9 +30,16 @@ from specfast.sampling import (
     position_uniforms,
     sample_rows,
 )
+from specfast.targets import (
+    context_hint,
+    is_model,
+    make_decoder,
+    model_eos_ids,
+    model_facts,
+    model_tokenizer,
+)
 from specfast.targets.base import to_device
 from specfast.targets.torch.int8 import torch_threads
-from specfast.workloads import render_chat
 
 MAX_SPECULATIVE_TOKENS = 64
 
@@ -124,11 +133,11 @@ def _is_messages(prompt) -> bool:
     return True
 
 
-def _prompt_ids(prompt, tokenizer, vocab_size: int, device: torch.device) -> list[int]:
+def prompt_to_ids(prompt, tokenizer, vocab_size: int, device: torch.device) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a str prompt needs a tokenizer: pass tokenizer= or token ids")
-        ids = _encode(tokenizer, prompt)
+        ids = encode_text(tokenizer, prompt)
     elif isinstance(prompt, torch.Tensor):
         if prompt.dtype in (torch.bool,) or prompt.dtype.is_floating_point or prompt.is_complex():
             raise TypeError(f"a tensor prompt must hold integer token ids, got {prompt.dtype}")
@@ -165,7 +174,7 @@ def _prompt_ids(prompt, tokenizer, vocab_size: int, device: torch.device) -> lis
     return ids
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer, text: str) -> list[int]:
     enc = tokenizer.encode(text)
     return list(enc.ids) if hasattr(enc, "ids") else list(enc)
 
@@ -210,8 +219,6 @@ def check_settings(
     ignore_eos: bool = False,
 ) -> Settings:
     """Checks generate()'s per-call options; ValueError/TypeError say what is allowed."""
-    from specfast.targets import model_facts
-
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise TypeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if max_new_tokens < 1:
@@ -271,9 +278,6 @@ def generate(
     ids plus the sequence's own tokens; "auto" = 32768 for vocabularies over 65536, None = all.
     A call is a one-turn Session: it prefills the whole prompt into a fresh cache.
     """
-    from specfast.drafters.model import common_tokens
-    from specfast.targets import context_hint, is_model, make_decoder, model_facts, model_tokenizer
-
     fixed_k = check_k(num_speculative_tokens)
     if not is_model(model):
         raise TypeError(
@@ -300,7 +304,7 @@ def generate(
     )
     if _is_messages(prompt):  # chat messages: the model's own chat template, as pipelines do
         prompt = render_chat(prompt, getattr(model, "chat_template", None))
-    prompt_ids = _prompt_ids(prompt, tokenizer, vocab_size, device)
+    prompt_ids = prompt_to_ids(prompt, tokenizer, vocab_size, device)
     if len(prompt_ids) + max_new_tokens > max_context:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
@@ -463,8 +467,6 @@ def _eos_ids(eos_token_id, model, tokenizer, ignore_eos: bool) -> set[int]:
     if ignore_eos:
         return set()
     if eos_token_id is None:
-        from specfast.targets import model_eos_ids
-
         return set(model_eos_ids(model) or _hf_eos(model))
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     for t in ids:
@@ -558,3 +560,41 @@ class _Emitter:
             text = _decode(self.tokenizer, self.token_ids)
             if len(text) > len(self._sent):
                 self.streamer(text[len(self._sent) :])
+
+
+# ----------------------------------------------------------------------------
+# chat templates
+
+
+def render_chat(
+    messages: Sequence[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+) -> str:
+    """Render chat messages with the model's Jinja template, or a built-in ChatML fallback.
+
+    The template comes from the model file, so it is rendered in jinja2's immutable sandbox:
+    a template can format text but cannot call into Python. Without a template (or without
+    jinja2) we fall back to plain ChatML, which is what SmolLM2 and Qwen2.5 use; the only
+    difference for SmolLM2 is its default system line.
+    """
+    template = _compiled_template(chat_template) if chat_template else None
+    if template is not None:
+        return template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token="",
+            eos_token="",
+        )
+    out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(chat_template: str):
+    """The template compiled once per process (a Session renders it every turn; compiling a
+    real template costs milliseconds), or None without jinja2."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(chat_template)

@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from specfast import _core
@@ -328,8 +329,6 @@ def accept_sampled_torch(
 def position_uniforms(seed: int, start: int, n: int) -> torch.Tensor:
     """Uniforms in [0, 1) for absolute positions start..start+n-1 of a generation: SplitMix64 of
     (seed, position), float64 (n,). The draw at a position never depends on how rounds fell."""
-    import numpy as np
-
     pos = np.arange(start + 1, start + n + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         z = np.uint64(seed) + pos * np.uint64(0x9E3779B97F4A7C15)

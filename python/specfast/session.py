@@ -48,16 +48,21 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from specfast._core import NgramDrafter
+from specfast.corpus import tokenizer_fingerprint
+from specfast.drafters import make_drafter
+from specfast.drafters.model import common_tokens
 from specfast.generate import (
     GenerateOutput,
-    _encode,
-    _prompt_ids,
     check_k,
     check_settings,
+    encode_text,
     generate,
+    prompt_to_ids,
+    render_chat,
     run_turn,
 )
-from specfast.targets import copy_decoder, model_tokenizer
+from specfast.targets import copy_decoder, is_model, make_decoder, model_facts, model_tokenizer
 
 DEFAULT_MAX_LENGTH = 8192
 # Options fixed when the session starts: they shape the drafter.
@@ -101,9 +106,6 @@ class Session:
         tokenizer: Any = None,
         **defaults: Any,
     ):
-        from specfast.drafters.model import common_tokens
-        from specfast.targets import is_model, model_facts
-
         if not is_model(model):
             raise TypeError(
                 f"model must be a specfast model (load_model) or a transformers causal LM, "
@@ -190,8 +192,6 @@ class Session:
             )
         keep = _common_prefix(ids, self._ids)
         if self._decoder is None:
-            from specfast.targets import make_decoder
-
             self._decoder = make_decoder(self.model, self.max_length)
         before_ids, before_cache = self._ids, self._decoder.length
         cache_keep = self._reusable(ids, keep)
@@ -214,8 +214,6 @@ class Session:
 
     def _open_corpus(self, drafter):
         """The NgramDrafter to draft with: loaded from the corpus file if it exists."""
-        from specfast._core import NgramDrafter
-
         if not (drafter == "ngram" or isinstance(drafter, NgramDrafter)):
             raise ValueError(f'corpus= needs drafter="ngram" (or an NgramDrafter), got {drafter!r}')
         self.fingerprint = corpus_fingerprint(self.model, self.tokenizer)
@@ -246,16 +244,14 @@ class Session:
                     "this session was sent token ids; a str message would re-render only the str "
                     "turns. Keep to one kind per session (or reset() it)"
                 )
-            from specfast.workloads import render_chat
-
             msgs = [*self.messages(), {"role": "user", "content": message}]
             text = render_chat(msgs, getattr(self.model, "chat_template", None))
-            return _encode(self.tokenizer, text)
+            return encode_text(self.tokenizer, text)
         if self.system is not None and not self._turns:
             raise ValueError(
                 "system= applies to str messages; with token ids, put the system prompt in the ids"
             )
-        return self._ids + _prompt_ids(message, None, self.vocab_size, self.device)
+        return self._ids + prompt_to_ids(message, None, self.vocab_size, self.device)
 
     def rewind(self, n_turns: int = 1) -> None:
         """Forgets the last n turns: the cache rolls back (one integer), the drafter is reset and
@@ -300,8 +296,6 @@ class Session:
         return new
 
     def _make_drafter(self, drafter, settings):
-        from specfast.drafters import make_drafter
-
         return make_drafter(
             drafter,
             target=self.model,
@@ -321,9 +315,6 @@ class Session:
 def corpus_fingerprint(model, tokenizer=None) -> str:
     """What a saved corpus must match to be loaded: the tokenizer's vocabulary size and hash
     (corpus.tokenizer_fingerprint), or the model's vocabulary size when it has no tokenizer."""
-    from specfast.corpus import tokenizer_fingerprint
-    from specfast.targets import model_facts
-
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tokenizer is not None and callable(getattr(tokenizer, "get_vocab", None)):
         return tokenizer_fingerprint(tokenizer)

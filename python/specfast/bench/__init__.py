@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -27,7 +28,31 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specfast.llama_bench import LLAMA_ALL, LLAMA_DRAFT_ENGINES, LLAMA_ENGINES
+import torch
+
+import specfast
+from specfast.autok import measured_pass_costs
+from specfast.bench.engines import (
+    Combined,
+    Engine,
+    EngineOutput,
+    hf_engine,
+    load_hf_model,
+    load_hf_tokenizer,
+    specfast_engine,
+)
+from specfast.bench.llama import (
+    LLAMA_ALL,
+    LLAMA_DRAFT_ENGINES,
+    LLAMA_ENGINES,
+    build_llama_engines,
+    llama_meta,
+    load_llamas,
+)
+from specfast.bench.workloads import build_workloads
+from specfast.hardware import cpu_flags_label
+from specfast.targets.llama_cpp import LlamaTokenizer, llama_eos_ids
+from specfast.targets.torch.model import resolve_dtype
 
 ENGINES = (
     "specfast-plain",
@@ -48,24 +73,7 @@ NEEDS_DRAFT = (*DRAFT_ENGINES, "specfast-draft-int8", *LLAMA_DRAFT_ENGINES)
 DEFAULT_ENGINES = ("specfast-plain", "specfast-ngram", "hf-plain", "hf-prompt-lookup")
 DEFAULT_LLAMA_ENGINES = LLAMA_ENGINES  # --backend llama.cpp (plus LLAMA_DRAFT_ENGINES with --draft)
 SWEEP_KS = (1, 2, 4, 8, 16, 32)
-HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt lookup
-
-
 # ---------------------------------------------------------------------------- results
-
-
-@dataclass
-class EngineOutput:
-    """What one engine call returns; the runner does the timing."""
-
-    token_ids: list[int]
-    target_passes: int | None = None
-    mean_acceptance_length: float | None = None
-    acceptance_histogram: list[int] | None = None
-    prefill_seconds: float | None = None  # time to the first token (specfast engines)
-
-
-Engine = Callable[[list[int]], EngineOutput]
 
 
 @dataclass
@@ -377,42 +385,26 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         "platform": platform.platform(),
         "device": device,
     }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["torch_threads"] = torch.get_num_threads()
-        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        from specfast.hardware import cpu_flags_label
-
-        info["cpu_flags"] = cpu_flags_label()
-        if device.startswith("cuda") and torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        info["torch"] = None
+    info["torch"] = torch.__version__
+    info["torch_threads"] = torch.get_num_threads()
+    info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info["cpu_flags"] = cpu_flags_label()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
     try:
         import transformers
 
         info["transformers"] = transformers.__version__
     except ImportError:
         info["transformers"] = None
-    try:
-        from specfast import __version__
-
-        info["specfast"] = __version__
-    except ImportError:
-        info["specfast"] = None
+    info["specfast"] = specfast.__version__
     return info
 
 
 def peak_memory(device: str = "cpu") -> dict[str, float]:
     """The process's peak resident memory (and peak CUDA allocation) so far, in MB."""
-    import resource
-
     out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB
     if device.startswith("cuda"):
-        import torch
-
         out["peak_cuda_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out
 
@@ -421,8 +413,6 @@ def pass_cost_report(targets: dict[str, Any]) -> dict[str, dict[int, float]]:
     """{runtime: {n: seconds}}: what one pass over n tokens cost each target, as auto k measured
     it during the runs (autok.measured_pass_costs); targets that ran no auto-k round are left
     out. Speculation pays where verifying n tokens costs far less than n single steps."""
-    from specfast.autok import measured_pass_costs
-
     out = {}
     for name, target in targets.items():
         costs = measured_pass_costs(target) if target is not None else {}
@@ -600,145 +590,11 @@ def plot_sweep(summary: dict, path: Path, title: str) -> Path:
     return path
 
 
-# ---------------------------------------------------------------------------- engines
-
-# specfast side of "no EOS": an empty set of EOS ids, so every engine emits max_new_tokens tokens.
-NO_EOS: list[int] = []
-
-
-class _Combined:
-    """A fresh CombinedDrafter per run: it holds one sequence's n-gram index and cache. Its
-    draft is a draft model or an EAGLE head."""
-
-    def __init__(self, draft_model: Any):
-        self.draft_model = draft_model
-
-
-def specfast_engine(
-    model: Any,
-    *,
-    drafter: Any,
-    k: int | str,
-    max_new_tokens: int,
-    generate: Callable[..., Any] | None = None,
-) -> Engine:
-    """specfast.generate, greedy, as an engine. `generate` is injectable for tests."""
-    if generate is None:
-        from specfast import generate
-
-    def run(ids: list[int]) -> EngineOutput:
-        if isinstance(drafter, _Combined):
-            from specfast import CombinedDrafter
-
-            this_drafter: Any = CombinedDrafter(drafter.draft_model)
-        else:
-            this_drafter = drafter
-        out = generate(
-            model,
-            ids,
-            max_new_tokens=max_new_tokens,
-            temperature=0.0,
-            drafter=this_drafter,
-            num_speculative_tokens=k,
-            eos_token_id=NO_EOS,
-        )
-        s = out.stats
-        hist = getattr(s, "acceptance_histogram", None)
-        return EngineOutput(
-            token_ids=list(out.token_ids),
-            target_passes=s.target_passes,
-            mean_acceptance_length=s.mean_acceptance_length,
-            acceptance_histogram=list(hist) if hist is not None else None,
-            prefill_seconds=s.prefill_seconds,
-        )
-
-    return run
-
-
-def _pass_counter(model: Any) -> list[int]:
-    """A counter of forward calls on `model`, installed once per model."""
-    counter = getattr(model, "_specfast_bench_passes", None)
-    if counter is None:
-        counter = [0]
-        model.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
-        model._specfast_bench_passes = counter
-    return counter
-
-
-def hf_engine(
-    model: Any,
-    mode: str,
-    *,
-    max_new_tokens: int,
-    assistant: Any = None,
-    prompt_lookup_num_tokens: int = HF_PROMPT_LOOKUP_TOKENS,
-) -> Engine:
-    """transformers generate(), greedy: mode is 'plain', 'prompt-lookup' or 'assisted'."""
-    import torch
-
-    counter = _pass_counter(model)
-    # An EOS id the model cannot emit: transformers then generates exactly max_new_tokens.
-    no_eos = int(model.config.get_text_config().vocab_size)
-    extra: dict[str, Any] = {}
-    if mode == "prompt-lookup":
-        extra["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
-    elif mode == "assisted":
-        if assistant is None:
-            raise ValueError("hf-assisted needs a draft model (--draft PATH)")
-        extra["assistant_model"] = assistant
-    elif mode != "plain":
-        raise ValueError(f"unknown transformers mode {mode!r}")
-
-    def run(ids: list[int]) -> EngineOutput:
-        x = torch.tensor([ids], dtype=torch.long, device=model.device)
-        counter[0] = 0
-        with torch.inference_mode():
-            out = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=no_eos,
-                pad_token_id=no_eos - 1,
-                **extra,
-            )
-        new = out[0, len(ids) :].tolist()
-        passes = counter[0]
-        return EngineOutput(new, passes, len(new) / passes if passes else None)
-
-    return run
-
-
-def load_hf_model(path: str | Path, dtype: str, device: str) -> Any:
-    """The same weights through transformers: a GGUF file (dequantized) or an HF folder."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    p = Path(path)
-    tdtype = getattr(torch, dtype)
-    if p.is_file():
-        m = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=tdtype)
-    else:
-        m = AutoModelForCausalLM.from_pretrained(p, dtype=tdtype)
-    return m.to(device).eval()
-
-
-def load_hf_tokenizer(path: str | Path) -> Any:
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    if p.is_file():
-        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-    return AutoTokenizer.from_pretrained(p)
-
-
 # ---------------------------------------------------------------------------- the bench command
 
 
 def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     """`specfast bench`: build workloads and engines, run interleaved, print, write JSON + plots."""
-    from specfast.workloads import build_workloads
-
     engines_wanted = list(args.engines)
     sf_needed = (
         any(e.startswith("specfast-") and e not in LLAMA_ALL for e in engines_wanted)
@@ -746,22 +602,16 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     )
     llamas: dict[str, Any] = {}
     if any(e in LLAMA_ALL for e in engines_wanted):
-        from specfast.llama_bench import load_llamas
-
         threads = getattr(args, "llama_threads", None)
         llamas = load_llamas(model_path, engines_wanted, args.draft, n_threads=threads)
     hf_needed = any(e.startswith("hf-") for e in engines_wanted)
 
     requested_dtype = args.dtype
     if args.dtype == "auto":  # one concrete dtype for every engine, transformers' included
-        from specfast.targets.torch.model import resolve_dtype
-
         args.dtype = str(resolve_dtype("auto", args.device)).removeprefix("torch.")
     print(f"loading {model_path} ({args.dtype}, {args.device})", file=sys.stderr)
     sf_model = sf_draft = sf_draft_int8 = hf_model = hf_draft = sf_eagle = None
     if sf_needed:
-        import specfast
-
         # specfast's engines get what a user's load_model gets: dtype and weights "auto" pick
         # by hardware (int8 weights where they time faster), transformers the concrete dtype.
         load = dict(
@@ -796,8 +646,6 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         def encode(text: str) -> list[int]:
             return list(sf_model.tokenizer.encode(text).ids)
     elif llama_any is not None:
-        from specfast.targets.llama_cpp import LlamaTokenizer
-
         template = llama_any.metadata.get("tokenizer.chat_template")
         encode = LlamaTokenizer(llama_any).encode
     else:
@@ -825,13 +673,13 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             )
         elif e == "specfast-combined":
             engines[e] = specfast_engine(
-                sf_model, drafter=_Combined(sf_draft), k=args.k, max_new_tokens=n
+                sf_model, drafter=Combined(sf_draft), k=args.k, max_new_tokens=n
             )
         elif e == "specfast-eagle":
             engines[e] = specfast_engine(sf_model, drafter=sf_eagle, k=args.k, max_new_tokens=n)
         elif e == "specfast-eagle+ngram":
             engines[e] = specfast_engine(
-                sf_model, drafter=_Combined(sf_eagle), k=args.k, max_new_tokens=n
+                sf_model, drafter=Combined(sf_eagle), k=args.k, max_new_tokens=n
             )
         elif e == "hf-plain":
             engines[e] = hf_engine(hf_model, "plain", max_new_tokens=n)
@@ -840,8 +688,6 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         elif e == "hf-assisted":
             engines[e] = hf_engine(hf_model, "assisted", max_new_tokens=n, assistant=hf_draft)
     if llamas:
-        from specfast.llama_bench import build_llama_engines
-
         engines |= build_llama_engines(
             engines_wanted, llamas, k=args.k, max_new_tokens=n, eagle=getattr(args, "eagle", None)
         )
@@ -857,8 +703,6 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
 
     sync = None
     if args.device.startswith("cuda"):
-        import torch
-
         sync = torch.cuda.synchronize
 
     runs = run_interleaved(prompts, engines, args.repeats, sync=sync)
@@ -887,8 +731,6 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         ],
     }
     if llamas:
-        from specfast.llama_bench import llama_meta
-
         meta |= llama_meta(llamas)
     only_llama = all(e in LLAMA_ALL for e in engines)
     dtype_label = "llama.cpp (the GGUF's own weights)" if only_llama else args.dtype
@@ -909,8 +751,6 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     if sf_model is not None:
         eos_ids = list(getattr(sf_model, "eos_token_ids", None) or [])
     elif llama_any is not None:
-        from specfast.targets.llama_cpp import llama_eos_ids
-
         eos_ids = llama_eos_ids(llama_any)
     elif hf_model is not None:
         e = hf_model.generation_config.eos_token_id

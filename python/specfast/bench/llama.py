@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specfast.targets.llama_cpp import check_llama_build
+import specfast
+from specfast.bench.engines import EngineOutput, specfast_engine
+from specfast.targets.llama_cpp import LayerInputs, check_llama_build, llama_threads, tile_restorer
 
 LLAMA_ENGINES = (
     "llama.cpp-plain",
@@ -73,9 +75,6 @@ def load_llamas(
 
 def llama_cpp_engine(llama: Any, *, max_new_tokens: int):
     """Llama.generate, greedy, as an engine; counts its target passes (llama.eval calls)."""
-    from specfast.bench import EngineOutput
-    from specfast.targets.llama_cpp import llama_threads, tile_restorer
-
     passes = [0]
     real_eval = llama.eval
     restore_tiles, threads = tile_restorer(), llama_threads(llama)
@@ -121,9 +120,6 @@ def build_llama_engines(
 ) -> dict[str, Any]:
     """The wanted llama.cpp engines over `llamas` (load_llamas); `eagle`: the head folder of
     specfast-llama-eagle (None: the shipped one)."""
-    import specfast
-    from specfast.bench import specfast_engine
-
     n = max_new_tokens
     engines: dict[str, Any] = {}
     for e in wanted:
@@ -149,7 +145,6 @@ def build_llama_engines(
 def _then_plain_graph(run, llama):
     """`run`, after which the Llama's layer inputs are off again: the engines that share the
     Llama (llama.cpp-plain's own loop among them) run llama.cpp's plain graph."""
-    from specfast.targets.llama_cpp import LayerInputs
 
     def wrapped(ids):
         try:

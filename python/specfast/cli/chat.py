@@ -13,14 +13,14 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from specfast.cli.common import format_stats
+
 HELP = "commands: /reset, /rewind [N], /stats, /quit"
 
 
 def chat_loop(session, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     """Reads messages from stdin until EOF or /quit; replies stream to stdout, the rest to
     stderr. Returns the exit status."""
-    from specfast.cli import format_stats
-
     last = None
     interactive = stdin.isatty()
     while True:

@@ -1,7 +1,4 @@
-"""`specfast train-eagle`: its arguments and command (the work is in specfast.eagle.train).
-
-Imports no torch at load time, like cli.py, so `specfast --help` stays quick.
-"""
+"""`specfast train-eagle`: its arguments and command (the work is in specfast.eagle.train)."""
 
 from __future__ import annotations
 
@@ -9,11 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
+from specfast.cli.common import DTYPE_CHOICES, positive_int
+from specfast.eagle.train import TrainConfig, train_eagle
+
 
 def add_train_eagle(sub) -> None:
-    # cli.py's own argument types; imported here, since cli.py imports this module
-    from specfast.cli import DTYPE_CHOICES, _positive_int
-
     t = sub.add_parser(
         "train-eagle",
         help="train an EAGLE-3 head for a model on text the model writes itself",
@@ -26,19 +25,19 @@ def add_train_eagle(sub) -> None:
     t.add_argument("--out", required=True, metavar="DIR")
     t.add_argument("--data", metavar="DIR", help="captured data (default: OUT/data; reused)")
     t.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="the target's dtype")
-    t.add_argument("--steps", type=_positive_int, default=1000, metavar="N")
-    t.add_argument("--docs-per-step", type=_positive_int, default=4, metavar="N")
-    t.add_argument("--ttt-steps", type=_positive_int, default=4, metavar="N")
+    t.add_argument("--steps", type=positive_int, default=1000, metavar="N")
+    t.add_argument("--docs-per-step", type=positive_int, default=4, metavar="N")
+    t.add_argument("--ttt-steps", type=positive_int, default=4, metavar="N")
     t.add_argument("--lr", type=float, default=5e-4)
-    t.add_argument("--draft-vocab", type=_positive_int, default=4096, metavar="N")
+    t.add_argument("--draft-vocab", type=positive_int, default=4096, metavar="N")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--max-len", type=_positive_int, default=512, metavar="N")
-    t.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N")
-    t.add_argument("--max-prompts", type=_positive_int, default=None, metavar="N")
+    t.add_argument("--max-len", type=positive_int, default=512, metavar="N")
+    t.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N")
+    t.add_argument("--max-prompts", type=positive_int, default=None, metavar="N")
     t.add_argument("--corpus-tokens", type=int, default=200_000, metavar="N")
-    t.add_argument("--batch-size", type=_positive_int, default=16, metavar="N")
-    t.add_argument("--eval-every", type=_positive_int, default=100, metavar="N")
-    t.add_argument("--threads", type=_positive_int, default=None, metavar="N")
+    t.add_argument("--batch-size", type=positive_int, default=16, metavar="N")
+    t.add_argument("--eval-every", type=positive_int, default=100, metavar="N")
+    t.add_argument("--threads", type=positive_int, default=None, metavar="N")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     t.add_argument(
         "--max-minutes",
@@ -51,10 +50,6 @@ def add_train_eagle(sub) -> None:
 
 def cmd_train_eagle(args: argparse.Namespace, resolve_model) -> int:
     target = resolve_model(args.target)
-    import torch
-
-    from specfast.eagle.train import TrainConfig, train_eagle
-
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig(

@@ -10,7 +10,7 @@ Two kinds of documents:
   are still the target's own distributions (captured per position), so these are self-distillation
   positions too, only on text the target did not write.
 
-Held-out split (specfast.workloads is what the benchmarks use; none of it is trained on):
+Held-out split (specfast.bench.workloads is what the benchmarks use; none of it is trained on):
 
 - code: every function of the modules named in workloads.STDLIB_FUNCTIONS (textwrap, colorsys,
   fnmatch, html, base64, statistics, difflib, getopt, heapq, shlex, string) is excluded, whole
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from specfast import workloads
+from specfast.bench import workloads
 from specfast.generate import generate
 from specfast.targets.torch.model import linear
 

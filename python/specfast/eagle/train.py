@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from specfast import workloads
+from specfast.bench import workloads
 from specfast.eagle import data as ed
 from specfast.eagle.data import target_features
 from specfast.eagle.head import EagleConfig, head_from_tensors, save_eagle
@@ -357,7 +357,7 @@ def held_out_acceptance(
     per_kind: int = 16,
 ) -> dict:
     """Mean acceptance length of greedy chain drafting at each k, for each head of `heads`
-    ({name: TrainHead}), on the benchmark's own prompts (specfast.workloads, none trained on).
+    ({name: TrainHead}), on the benchmark's own prompts (specfast.bench.workloads, none trained on).
 
     The target generates each answer once, plainly (EOS ignored, as the benchmark does); one
     forward reads its features; then every round is replayed per head (chain_drafts,
