@@ -373,7 +373,7 @@ def run_turn(
 
 def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: GenerationStats):
     """One round: propose, verify [last, *draft] in one target pass, accept, roll back the
-    rejected rows, commit, tell the drafter. The same for every drafter (drafters.py)."""
+    rejected rows, commit, tell the drafter. The same for every drafter (drafters/)."""
     budget = emit.max_new_tokens - len(emit.token_ids) - 1  # proposals past this are wasted
     t0 = time.perf_counter()
     proposal = drafter.propose(budget)

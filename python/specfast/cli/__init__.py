@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--prompts-per-workload", type=positive_int, default=3, metavar="N", help="default: 3"
     )
-    add_train_eagle(sub)  # specfast/eagle_cli.py
+    add_train_eagle(sub)  # cli/train_eagle.py
     return p
 
 

@@ -70,7 +70,7 @@ class CombinedDrafter:
 
 
 class CombinedDraft(ModelDraft):
-    """draft.CombinedDrafter: the n-gram where the context repeats, the draft model elsewhere.
+    """CombinedDrafter: the n-gram where the context repeats, the draft model elsewhere.
     Auto k picks the source each round (AutoK.choose_source); a fixed k uses `min_match`."""
 
     def __init__(self, inner, fixed_k: int | None):

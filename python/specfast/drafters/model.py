@@ -311,7 +311,7 @@ def _caller_stacklevel() -> int:
 
 
 class ModelDraft(Base):
-    """A draft model (draft.DraftModelDrafter). Auto k: up to AutoK's `max_draft_k` steps, cut
+    """A draft model (DraftModelDrafter). Auto k: up to AutoK's `max_draft_k` steps, cut
     by the calibrated `keep_drafting`, or none when drafting does not pay."""
 
     def __init__(self, inner, fixed_k: int | None):

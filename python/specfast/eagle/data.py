@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specfast.bench import workloads
-from specfast.generate import generate
+from specfast.generate import generate, render_chat
 from specfast.targets.torch.model import linear
 
 # ---------------------------------------------------------------------------- the split
@@ -312,7 +312,7 @@ def training_prompts(chat_template: str | None, seed: int = 0, scale: float = 1.
     rng = random.Random(seed)
 
     def chat(content: str) -> str:
-        return workloads.render_chat([{"role": "user", "content": content}], chat_template)
+        return render_chat([{"role": "user", "content": content}], chat_template)
 
     out = [Prompt("chat", f"chat/q{i}", chat(q)) for i, q in enumerate(QUESTIONS)]
     funcs = [f for name, src in stdlib_files() for f in functions(name, src)]

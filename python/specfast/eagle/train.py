@@ -1,4 +1,4 @@
-"""Training an EAGLE-3 head on data the target made (see eagle_data), in SpecForge's layout.
+"""Training an EAGLE-3 head on data the target made (see eagle/data.py), in SpecForge's layout.
 
 The recipe is EAGLE-3's "training-time test" as SpecForge implements it: step 0 reads fc(target
 features of position t) with token t+1 and predicts token t+2; step s > 0 reads the previous
@@ -204,7 +204,7 @@ def init_head(target, config: dict, d2t: torch.Tensor, t2d: torch.Tensor, seed: 
 
 
 class Captured:
-    """Documents captured by eagle_data.capture, read lazily from their shards."""
+    """Documents captured by eagle.data.capture, read lazily from their shards."""
 
     def __init__(self, folder: Path):
         self.files = sorted(Path(folder).glob("shard_*.safetensors"))
