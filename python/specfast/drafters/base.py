@@ -31,7 +31,7 @@ that reads the target's hidden states (an EAGLE head, drafters/eagle.py) sets `w
 second forward), and the round hands over the kept rows' features in `Verified.features` and
 the prefilled rows' in `prefill(features)`. Only specfast's own runtime returns them.
 
-Adding a drafter is one class (here, or in its own file) plus a line in `make_drafter`.
+Adding a drafter is one class in a module of its own under drafters/ plus a line in `make_drafter`.
 """
 
 from __future__ import annotations
