@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from specfast.bench import workloads
 from specfast.generate import generate, render_chat
@@ -608,6 +607,8 @@ def capture(
     tokens (N,) int32, features (N, 3*D), normed (N, D) (model dtype), argmax (N,) int32,
     offsets (n+1,) int64. Stops after `max_tokens` positions. Returns positions written.
     """
+    from safetensors.torch import save_file
+
     out_dir.mkdir(parents=True, exist_ok=True)
     shard = len(list(out_dir.glob("shard_*.safetensors")))
     buf: dict[str, list] = {"tokens": [], "features": [], "normed": [], "argmax": []}

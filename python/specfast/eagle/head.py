@@ -31,8 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from specfast.formats.gguf import llama_embedding
@@ -477,6 +475,8 @@ def save_eagle(head: EagleHead, path, dtype="bfloat16") -> Path:
 
     dtype: "bfloat16" (small, what is shipped) or "float32" for the float weights; d2t stays
     int64 and t2d bool. A shared embedding is not written (loaders use the target's)."""
+    from safetensors.torch import save_file
+
     dtype = resolve_dtype(dtype)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -501,6 +501,8 @@ def load_eagle(path=None, target=None, dtype=None) -> EagleHead:
     wrong shape, d2t outside the vocabulary, a vocabulary or hidden size that is not the
     target's, aux layer ids the target does not have.
     """
+    from safetensors import SafetensorError, safe_open
+
     folder = DEFAULT_HEAD if path is None else Path(path)
     if folder.is_file() and folder.name == WEIGHTS:
         folder = folder.parent

@@ -26,8 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import nn
 
 from specfast.bench import workloads
@@ -207,6 +205,8 @@ class Captured:
     """Documents captured by eagle.data.capture, read lazily from their shards."""
 
     def __init__(self, folder: Path):
+        from safetensors import safe_open
+
         self.files = sorted(Path(folder).glob("shard_*.safetensors"))
         if not self.files:
             raise ValueError(f"no captured shards (shard_*.safetensors) in {folder}")
@@ -386,6 +386,8 @@ def held_out_acceptance(
 
 def load_train_head(folder: Path) -> TrainHead:
     """A saved head (config.json + model.safetensors) as a float32 TrainHead."""
+    from safetensors.torch import load_file
+
     head = TrainHead(json.loads((Path(folder) / "config.json").read_text()))
     tensors = load_file(str(Path(folder) / "model.safetensors"))
     head.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items()})

@@ -8,16 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-from tokenizers import pre_tokenizers as pre
 
 from specfast.formats.common import SUPPORTED_ARCHS, build_model, int_list
 from specfast.targets.torch.model import Model, ModelConfig
 
 
 def _gguf_reader(path: Path):
+    from gguf import GGUFReader
+
     try:
         return GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, KeyError, IndexError... on bad bytes
@@ -49,6 +47,8 @@ def gguf_tensor(path, name: str) -> torch.Tensor:
 
 
 def _dequantized(tensors: dict, name: str, path: Path) -> np.ndarray:
+    from gguf.quants import dequantize
+
     t = tensors.get(name)
     if t is None:
         raise ValueError(f"{path}: tensor {name} missing from the GGUF file")
@@ -61,6 +61,8 @@ def _dequantized(tensors: dict, name: str, path: Path) -> np.ndarray:
 
 
 def load_gguf(path: Path, dtype: torch.dtype) -> Model:
+    from gguf.quants import dequantize
+
     reader = _gguf_reader(path)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -198,6 +200,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 def tokenizer_from_gguf(reader, path: Path):
     """A `tokenizers.Tokenizer` built from a GGUF's metadata, or None (with a warning) when the
     file's tokenizer model is not byte-level BPE."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers as pre
+
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         warnings.warn(

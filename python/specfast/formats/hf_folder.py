@@ -6,9 +6,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-from tokenizers import Tokenizer
 
 from specfast.formats.common import SUPPORTED_ARCHS, build_model, fuse_layer, int_list
 from specfast.targets.torch.model import Model, ModelConfig
@@ -61,6 +58,9 @@ def config_from_hf(cfg: dict, source: Path) -> ModelConfig:
 
 
 def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         has_pickle = any(folder.glob("*.bin")) or any(folder.glob("*.pt"))
@@ -101,6 +101,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Model:
 
     model.tokenizer = None
     if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
         try:
             model.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on bad files
