@@ -71,6 +71,8 @@ def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_id
             drafter.bind(model_drafter)
             return CombinedDraft(drafter, fixed_k)
         return ModelDraft(model_drafter, fixed_k)
+    if all(hasattr(drafter, a) for a in ("propose", "observe", "start_turn", "rollback")):
+        return drafter  # the drafter protocol itself (base.py): tests/test_custom_drafter.py
     if hasattr(drafter, "propose") and hasattr(drafter, "extend"):
         return IndexDraft(drafter, fixed_k)
     raise TypeError(

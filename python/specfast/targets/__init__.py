@@ -16,7 +16,7 @@ from specfast.targets.llama_cpp import (
     llama_eos_ids,
     llama_facts,
 )
-from specfast.targets.torch.model import Decoder, Model
+from specfast.targets.torch.model import Decoder
 
 if TYPE_CHECKING:
     # Only for annotations: at run time `torch` here names this package's torch/ (specfast's
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "context_hint",
     "is_model",
+    "is_target",
     "make_decoder",
     "model_eos_ids",
     "model_facts",
@@ -34,13 +35,24 @@ __all__ = [
 ]
 
 
+# What a target has, as specfast's own Model does: anything with these is a target as it
+# stands (tests/test_custom_target.py is one, in a single file). Its decoder(max_length) gives
+# length, forward, forward_greedy, greedy_ids and rollback (docs/architecture.md §3).
+TARGET_SURFACE = ("vocab_size", "max_context", "device", "decoder")
+
+
+def is_target(obj) -> bool:
+    """True for an object with the target surface (TARGET_SURFACE), such as a specfast Model."""
+    return not isinstance(obj, type) and all(hasattr(obj, a) for a in TARGET_SURFACE)
+
+
 def is_model(obj) -> bool:
-    return isinstance(obj, Model) or is_hf_model(obj) or is_llama(obj)
+    return is_hf_model(obj) or is_llama(obj) or is_target(obj)
 
 
 def model_facts(model) -> tuple[int, int, torch.device]:
     """(vocab size as the logits see it, context length in positions, device)."""
-    if isinstance(model, Model):
+    if not is_hf_model(model) and is_target(model):
         return model.vocab_size, model.max_context, model.device
     if is_hf_model(model):
         return (*hf_vocab_and_context(model), model.device)
@@ -56,6 +68,8 @@ def make_decoder(model, max_length: int | None = None):
     """A decoder (forward / rollback / length) over one sequence of `model`."""
     if is_llama(model):
         return LlamaDecoder(model, max_length)
+    if not is_hf_model(model) and is_target(model):
+        return model.decoder(max_length)
     return hf.make_decoder(model, max_length)
 
 
