@@ -238,6 +238,20 @@ mod tests {
         down: Int8Matrix,
     }
 
+    impl Layer {
+        fn weights(&self) -> Weights<'_> {
+            Weights {
+                attn_norm: &self.attn_norm,
+                qkv: &self.qkv,
+                qkv_bias: None,
+                o: &self.o,
+                ffn_norm: &self.ffn_norm,
+                gate_up: &self.gate_up,
+                down: &self.down,
+            }
+        }
+    }
+
     fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         let mut s = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
         (0..n)
@@ -277,15 +291,7 @@ mod tests {
 
     fn run(l: &Layer, x: &mut [f32], pos: usize, cache: &mut (Vec<f32>, Vec<f32>)) {
         let rows = x.len() / DIM;
-        let w = Weights {
-            attn_norm: &l.attn_norm,
-            qkv: &l.qkv,
-            qkv_bias: None,
-            o: &l.o,
-            ffn_norm: &l.ffn_norm,
-            gate_up: &l.gate_up,
-            down: &l.down,
-        };
+        let w = l.weights();
         let angle = |p: usize, i: usize| p as f32 / 10f32.powf((i % 6) as f32 / 6.0);
         let cos: Vec<f32> = (0..rows * 12)
             .map(|j| angle(pos + j / 12, j % 12).cos())
@@ -338,15 +344,7 @@ mod tests {
         let l = layer();
         let n = 2 * 40 * 12;
         let mut cache = (vec![0.0; n], vec![0.0; n - 1]);
-        let w = Weights {
-            attn_norm: &l.attn_norm,
-            qkv: &l.qkv,
-            qkv_bias: None,
-            o: &l.o,
-            ffn_norm: &l.ffn_norm,
-            gate_up: &l.gate_up,
-            down: &l.down,
-        };
+        let w = l.weights();
         let mut x = vec![0.0; DIM];
         let c = vec![1.0; 12];
         let err = forward(&mut x, &w, &SHAPE, &c, &c, &mut cache.0, &mut cache.1).unwrap_err();

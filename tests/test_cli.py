@@ -339,6 +339,28 @@ def test_bench_end_to_end_transformers_engines(tiny_model_dir, tmp_path, capsys)
     assert (out / "speedup.png").stat().st_size > 10_000 and (out / "results.md").exists()
 
 
+def test_bench_takes_the_users_prompts(tiny_model_dir, tmp_path, capsys):
+    prompts = tmp_path / "mine.jsonl"
+    lines = [
+        {"prompt": "def add(a, b):", "category": "code"},
+        {"messages": [{"role": "user", "content": "Say hi."}], "category": "chat"},
+        {"messages": [{"role": "user", "content": "Say bye."}], "category": "chat"},
+    ]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny_model_dir), "--engines", "hf-plain", "--repeats", "1"]
+    argv += ["--prompts", str(prompts), "--max-new-tokens", "4", "--out", str(out)]
+    rc, stdout, _ = run_main(argv, capsys)
+    assert rc == 0
+    assert "code (1 prompt)" in stdout and "chat (2 prompts)" in stdout
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert sorted(r["kind"] for r in runs) == ["chat", "chat", "code"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": "x", "messages": []}\n')
+    rc, _, err = run_main(["bench", "--model", str(tiny_model_dir), "--prompts", str(bad)], capsys)
+    assert rc != 0 and "bad.jsonl:2" in err and "exactly one of" in err
+
+
 @needs_runtime
 def test_generate_end_to_end_tiny_model(tiny_model_dir, capsys):
     argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc"]

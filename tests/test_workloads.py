@@ -1,8 +1,10 @@
 """Workloads: built from real text at run time, labelled with their kind, deterministic."""
 
+import re
+
 import pytest
 
-from specfast.bench.workloads import KINDS, OPEN_QUESTIONS, build_workloads, speeches
+from specfast.bench.workloads import KINDS, OPEN_QUESTIONS, build_workloads, read_prompts, speeches
 from specfast.generate import render_chat
 
 SMOLLM2_TEMPLATE = (
@@ -97,3 +99,27 @@ def test_speech_parser():
         "**BOB**  \nOnly me.\n"
     )
     assert speeches(md) == [("ALICE", ["One line,", "two lines."]), ("BOB", ["Only me."])]
+
+
+def test_read_prompts_takes_prompts_and_messages_and_names_bad_lines(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        '{"prompt": "def f():"}\n\n'
+        '{"messages": [{"role": "user", "content": "Hi"}], "category": "chat"}\n'
+    )
+    a, b = read_prompts(f)
+    assert (a.kind, a.text, a.chat) == ("prompts", "def f():", False)
+    assert (b.kind, b.messages, b.chat) == ("chat", (("user", "Hi"),), True)
+    assert a.name != b.name
+    for line, message in [
+        ("not json", "p.jsonl:1: not JSON"),
+        ("[1, 2]", "expected an object"),
+        ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+        ('{"messages": [{"role": "user"}]}', '"messages" must be a non-empty list'),
+        ('{"turns": ["a", "b"]}', '"turns" are not supported yet'),
+        ('{"prompt": "a", "category": 3}', '"category" must be a non-empty string'),
+        ("", "no prompts in the file"),
+    ]:
+        f.write_text(line + "\n")
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read_prompts(f)

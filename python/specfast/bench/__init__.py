@@ -49,7 +49,7 @@ from specfast.bench.llama import (
     llama_meta,
     load_llamas,
 )
-from specfast.bench.workloads import build_workloads
+from specfast.bench.workloads import build_workloads, read_prompts
 from specfast.hardware import cpu_flags_label
 from specfast.targets.llama_cpp import LlamaTokenizer, llama_eos_ids
 from specfast.targets.torch.model import resolve_dtype
@@ -596,6 +596,7 @@ def plot_sweep(summary: dict, path: Path, title: str) -> Path:
 def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     """`specfast bench`: build workloads and engines, run interleaved, print, write JSON + plots."""
     engines_wanted = list(args.engines)
+    own_prompts = read_prompts(args.prompts) if getattr(args, "prompts", None) else None
     sf_needed = (
         any(e.startswith("specfast-") and e not in LLAMA_ALL for e in engines_wanted)
         or args.sweep_k
@@ -655,7 +656,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         def encode(text: str) -> list[int]:
             return list(tok(text, add_special_tokens=False).input_ids)
 
-    workloads = build_workloads(args.workloads, args.prompts_per_workload)
+    workloads = own_prompts or build_workloads(args.workloads, args.prompts_per_workload)
     prompts = [(w.kind, w.name, encode(w.render(template))) for w in workloads]
 
     n = args.max_new_tokens

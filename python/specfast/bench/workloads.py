@@ -18,6 +18,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import json
 import re
 import textwrap
 from collections.abc import Sequence
@@ -242,3 +243,58 @@ def build_workloads(kinds: Sequence[str] = KINDS, per_kind: int = 3) -> list[Wor
     if per_kind < 1:
         raise ValueError(f"per_kind must be >= 1, got {per_kind}")
     return [w for k in kinds for w in BUILDERS[k](per_kind)]
+
+
+# ---------------------------------------------------------------------------- the user's own
+
+
+def read_prompts(path: str | Path) -> list[Workload]:
+    """Workloads from a JSON-lines file, one prompt a line: `{"prompt": text}` (a raw prompt,
+    sent as is) or `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the
+    model's chat template), each with an optional `"category"` that groups the tables (default
+    "prompts"). ValueError, naming the line, for anything else."""
+    path = Path(path)
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{i}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f'{where}: expected an object with "prompt" or "messages"')
+        category = obj.get("category", "prompts")
+        if not isinstance(category, str) or not category.strip():
+            raise ValueError(f'{where}: "category" must be a non-empty string')
+        name = f"{category}/{path.stem}:{i}"
+        if "turns" in obj:
+            raise ValueError(
+                f'{where}: multi-turn "turns" are not supported yet; give one "messages" a line'
+            )
+        if ("prompt" in obj) == ("messages" in obj):
+            raise ValueError(f'{where}: needs exactly one of "prompt" or "messages"')
+        if "prompt" in obj:
+            if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+                raise ValueError(f'{where}: "prompt" must be a non-empty string')
+            out.append(Workload(category, name, text=obj["prompt"]))
+            continue
+        messages = obj["messages"]
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
+            raise ValueError(
+                f'{where}: "messages" must be a non-empty list of {{"role": str, "content": str}}'
+            )
+        out.append(Workload(category, name, tuple((m["role"], m["content"]) for m in messages)))
+    if not out:
+        raise ValueError(f"{path}: no prompts in the file")
+    return out

@@ -266,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--prompts-per-workload", type=positive_int, default=3, metavar="N", help="default: 3"
     )
+    b.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help="your own prompts instead of the built-in workloads, one JSON object a line: "
+        '{"prompt": TEXT} or {"messages": [{"role": ..., "content": ...}]}, with an optional '
+        '"category" that groups the tables',
+    )
     add_train_eagle(sub)  # cli/train_eagle.py
     return p
 
