@@ -32,6 +32,7 @@ import specfast  # noqa: E402
 from specfast.drafters.eagle import EagleDraft  # noqa: E402
 from specfast.formats.gguf import llama_embedding  # noqa: E402
 from specfast.targets.llama_cpp import LayerInputs, LlamaDecoder  # noqa: E402
+from specfast.targets.llama_cpp.state import llama_state  # noqa: E402
 
 PROMPT = [1, 2, 3, 200, 2, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59]
 NEW = 40
@@ -117,7 +118,7 @@ def test_another_layer_set_then_none(tiny):
     assert torch.equal(features(tiny, PROMPT, layers=(1,)), both[:, D:])  # [0, 1] -> [1]
     dec = LlamaDecoder(tiny)
     dec.forward(torch.tensor(PROMPT))  # a pass without features turns them off
-    assert tiny._specfast_layer_inputs == ()
+    assert llama_state(tiny)["layer_inputs"] == ()
     assert torch.equal(features(tiny, PROMPT, layers=(0, 1)), both)  # and on again
 
 

@@ -50,13 +50,11 @@ import weakref
 # k such that a pass over k + 1 rows is 1, 2, 3, 4, 6, 8, 12, 16 or 24: powers of two and their
 # midpoints. llama.cpp's CPU kernels take rows in blocks (Q4_K on a Zen 4 and on a Xeon: 16 rows
 # cost less than 13-15), and compiled steps pad a pass to a power of two (steps.BUCKETS), so 17
-# rows cost as much as 32 there. Replayed over SmolLM2 Q4_1 and Qwen2.5-Coder Q4_K_M on a Zen 4
-# (benches/llama_replay.py, 2026-12-01, 7 prompt sets), these with untried lengths explored
-# (pass_seconds) gave code editing 5 % (a fresh process) to 7 % (later calls) over
-# (0, 1, 2, 3, 4, 6, 8, 10, 12, 16) with the line alone; other text within 0.4 %. A pass over 24
-# pays where verifying is nearly free (torch in bf16 on a Zen 4: 24 tokens cost 1.6 of one):
-# replayed there (benches/llama_replay.py --costs-of specfast --max-pass 33), code editing +5 %
-# (SmolLM2) and +8 % (Qwen2.5-Coder, its own costs), quoting +2 %; over llama.cpp, as before.
+# rows cost as much as 32 there. Measured by replaying fixed outputs with each candidate set
+# (`python benches/llama_replay.py [--costs-of specfast --max-pass 33]`): these beat
+# (0, 1, 2, 3, 4, 6, 8, 10, 12, 16) on code editing by 5-8 % and matched it elsewhere. A pass
+# over 24 pays where verifying is nearly free (torch in bf16 on a Zen 4: 24 tokens cost 1.6 of
+# one).
 CANDIDATES = (0, 1, 2, 3, 5, 7, 11, 15, 23)
 # Passes past LONG_PASS tokens are candidates only once a LONG_PASS-token pass has been timed at
 # no more than LONG_PASS_MAX_COST single steps: verifying is nearly free there. Elsewhere the

@@ -63,6 +63,7 @@ from specfast.generate import (
     run_turn,
 )
 from specfast.targets import copy_decoder, is_model, make_decoder, model_facts, model_tokenizer
+from specfast.targets.base import common_prefix
 
 DEFAULT_MAX_LENGTH = 8192
 # Options fixed when the session starts: they shape the drafter.
@@ -190,7 +191,7 @@ class Session:
                 f"{self.max_length} tokens; rewind() or reset() the session, lower "
                 f"max_new_tokens, or start a Session with a larger max_length"
             )
-        keep = _common_prefix(ids, self._ids)
+        keep = common_prefix(ids, self._ids)
         if self._decoder is None:
             self._decoder = make_decoder(self.model, self.max_length)
         before_ids, before_cache = self._ids, self._decoder.length
@@ -319,11 +320,6 @@ def corpus_fingerprint(model, tokenizer=None) -> str:
     if tokenizer is not None and callable(getattr(tokenizer, "get_vocab", None)):
         return tokenizer_fingerprint(tokenizer)
     return f"vocab={model_facts(model)[0]};no-tokenizer"
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _message_copy(message):

@@ -4,6 +4,7 @@ generate() and, in llama.py, llama.cpp's own loop."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,13 +83,18 @@ def specfast_engine(
     return run
 
 
+# Forward-call counters of the transformers models the bench runs, one per model (kept here, not
+# written onto the model).
+_PASS_COUNTERS: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+
+
 def _pass_counter(model: Any) -> list[int]:
     """A counter of forward calls on `model`, installed once per model."""
-    counter = getattr(model, "_specfast_bench_passes", None)
+    counter = _PASS_COUNTERS.get(model)
     if counter is None:
         counter = [0]
         model.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
-        model._specfast_bench_passes = counter
+        _PASS_COUNTERS[model] = counter
     return counter
 
 

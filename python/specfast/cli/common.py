@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-# As specfast.targets.torch.model.DTYPE_CHOICES and specfast.targets.torch.steps.COMPILE_CHOICES
-# (a test checks they agree).
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-COMPILE_CHOICES = ("auto", "on", "off")
+from specfast.targets.torch.model import DTYPE_CHOICES
+from specfast.targets.torch.steps import COMPILE_CHOICES
+
+__all__ = ["COMPILE_CHOICES", "DTYPE_CHOICES", "format_stats", "positive_int"]
 
 
 def positive_int(s: str) -> int:

@@ -157,3 +157,12 @@ def copy_auto(auto: AutoK | None) -> AutoK | None:
 def feature_layers(drafter: Drafter) -> tuple[int, ...] | None:
     """The target layers whose features the round must return for this drafter, or None."""
     return tuple(drafter.feature_layers) if getattr(drafter, "wants_features", False) else None
+
+
+def draft_probability(logits: torch.Tensor, q: torch.Tensor | None, token: torch.Tensor) -> float:
+    """The probability a draft gave `token`: from q when sampling, else softmax(logits) (1, V)
+    in float32."""
+    if q is not None:
+        return float(q[0, token])
+    row = logits[0].float()
+    return float(torch.exp(row[token] - torch.logsumexp(row, dim=0)))

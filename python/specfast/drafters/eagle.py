@@ -13,7 +13,15 @@ import torch.nn.functional as F
 
 import specfast.eagle.head as eagle_head
 from specfast.autok import AutoK
-from specfast.drafters.base import Base, Proposal, Verified, clone_ngram, copy_auto, observe_model
+from specfast.drafters.base import (
+    Base,
+    Proposal,
+    Verified,
+    clone_ngram,
+    copy_auto,
+    draft_probability,
+    observe_model,
+)
 from specfast.drafters.combined import CombinedDrafter
 from specfast.eagle.head import (
     EagleHead,
@@ -206,7 +214,7 @@ class EagleDraft(Base):
             if q is not None:
                 qs.append(q)
             if self.auto is not None:
-                confidences.append(_probability(logits, q, row))  # one host sync per step
+                confidences.append(draft_probability(logits, q, row))  # one host sync per step
                 if not self.auto.keep_drafting(confidences):
                     break
             if i + 1 < k:
@@ -226,12 +234,6 @@ class EagleDraft(Base):
         """(k, Vd) over the draft vocabulary -> (k, V) over the target's, zeros elsewhere."""
         full = q.new_zeros(q.shape[0], self.vocab_size)
         return full.index_copy_(1, self.target_ids, q)
-
-
-def _probability(logits: torch.Tensor, q: torch.Tensor | None, row: torch.Tensor) -> float:
-    if q is not None:
-        return float(q[0, row])
-    return float(torch.softmax(logits[0], dim=-1)[row])
 
 
 class EagleNgramDraft(EagleDraft):

@@ -29,10 +29,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specfast.autok import AutoK
-from specfast.drafters.base import Base, Proposal, copy_auto, observe_model
+from specfast.drafters.base import Base, Proposal, copy_auto, draft_probability, observe_model
 from specfast.sampling import copy_generator, logits_to_probs
 from specfast.targets import copy_decoder, make_decoder, model_facts, tokenizer_vocab
-from specfast.targets.base import to_device
+from specfast.targets.base import common_prefix, to_device
 from specfast.targets.llama_cpp import is_llama
 from specfast.targets.torch.model import Model
 
@@ -132,7 +132,7 @@ class DraftModelDrafter:
         """Rolls the cache back to the longest cached prefix that was committed and returns its
         length; drafts that were accepted stay. The last committed token is never kept."""
         known = self._known  # committed for sure; of the cached drafts, keep those accepted
-        keep = known + _common_prefix(self._cached_drafts, self.committed[known:])
+        keep = known + common_prefix(self._cached_drafts, self.committed[known:])
         keep = min(keep, len(self.committed) - 1)
         self.decoder.rollback(keep)
         return keep
@@ -155,7 +155,7 @@ class DraftModelDrafter:
             feed = nxt
             if self.keep_going is not None:
                 # A host sync per step, small next to the step's forward.
-                confidences.append(_probability(logits, q, row))
+                confidences.append(draft_probability(logits, q, row))
                 if not self.keep_going(confidences):
                     break
         tokens = torch.cat(drafts).tolist()  # without keep_going, the proposal's one host sync
@@ -241,19 +241,6 @@ def common_tokens(vocabulary, vocab_size: int) -> int | None:
             f'draft_vocabulary must be "auto", None (all tokens) or an int >= 1, got {vocabulary!r}'
         )
     return vocabulary if vocabulary < vocab_size else None
-
-
-def _probability(logits: torch.Tensor, q: torch.Tensor | None, token: torch.Tensor) -> float:
-    """The probability the draft gave `token`: from q when sampling, else softmax(logits)."""
-    if q is not None:
-        return float(q[0, token])
-    row = logits[0].float()
-    return float(torch.exp(row[token] - torch.logsumexp(row, dim=0)))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def check_same_vocabulary(target, draft) -> None:

@@ -391,10 +391,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class FastLinears:
     """The head's matrices for drafting: q/k/v and gate/up fused (fewer ops per step), and on
-    CPU oneDNN-prepacked as the target's are (model.packed_weights says why). On the shared
-    2-core machine a packed and a plain SmolLM2-sized head step measured alike (1 thread,
-    fp32 and bf16), so the packing's gain here is unproven. A copy made once per drafter; the
-    head's own weights stay what training and saving use."""
+    CPU oneDNN-prepacked as the target's are (model.packed_weights says why; for a head of
+    SmolLM2's size a packed and a plain step cost about the same). A copy made once per
+    drafter; the head's own weights stay what training and saving use."""
 
     def __init__(self, head: EagleHead):
         mid = head.midlayer

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from specfast.formats.common import SUPPORTED_ARCHS, build_model, int_list
+from specfast.targets.llama_cpp.state import llama_state
 from specfast.targets.torch.model import Model, ModelConfig
 
 
@@ -152,10 +153,10 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
 
 def llama_embedding(llama, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The Llama's token embedding (V, D) dequantized from its GGUF file, in `dtype`: what an
-    EAGLE head without its own embed_tokens embeds its tokens with. Cached on the Llama per
-    dtype for its lifetime (SmolLM2's: 113 MB in float32); dequantizing takes a float32 copy
+    EAGLE head without its own embed_tokens embeds its tokens with. Cached per Llama and
+    dtype for the Llama's lifetime (SmolLM2's: 113 MB in float32); dequantizing takes a float32 copy
     of the whole matrix, a few GB for a 150k-token vocabulary at 4096 wide."""
-    cache = llama.__dict__.setdefault("_specfast_embedding", {})
+    cache = llama_state(llama).setdefault("embedding", {})
     if dtype not in cache:
         cache[dtype] = gguf_tensor(llama.model_path, "token_embd.weight").to(dtype)
     return cache[dtype]

@@ -104,3 +104,9 @@ def to_device(values: list[int], device: torch.device, dtype=torch.long) -> torc
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids a and b share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

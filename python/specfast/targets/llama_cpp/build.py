@@ -48,9 +48,9 @@ BUILD_FLAGS = {
 }
 # The child that reads the build report. Not this process: the report is compile-time macros,
 # but reading it registers ggml's CPU backend, and ggml_cpu_init runs the build's own code. In
-# the -march=native AVX-512 build of 2026-11-30, llama_print_system_info() executed 32 zmm loads
-# and stores inside ggml_cpu_init (benches/llama_isa_trace.py, under gdb), so on an AVX2-only CPU
-# the report itself dies with SIGILL. `import llama_cpp` alone executed none.
+# a -march=native AVX-512 build, llama_print_system_info() executes zmm loads and stores inside
+# ggml_cpu_init (`python benches/llama_isa_trace.py`, under gdb), so on an AVX2-only CPU the
+# report itself dies with SIGILL. `import llama_cpp` alone executes none.
 #
 # An AMX build can report the right instruction sets and still die: GCC 12 drops the stores that
 # fill llama.cpp's AMX tile configuration unless built with -fno-dse (scripts/install.sh adds it),

@@ -28,6 +28,7 @@ from specfast.targets.base import (
 )
 from specfast.targets.llama_cpp.build import check_llama_build, llama_threads, tile_restorer
 from specfast.targets.llama_cpp.features import LayerInputs
+from specfast.targets.llama_cpp.state import llama_state
 
 _CPU = torch.device("cpu")
 # What llama_decode's return codes mean (llama.h).
@@ -118,7 +119,7 @@ class LlamaDecoder:
         # Take the context over: whatever the Llama (or an earlier decoder) left goes.
         llama_cpp.llama_memory_clear(self._memory, False)
         llama.n_tokens = 0
-        llama._specfast_owner = weakref.ref(self)
+        llama_state(llama)["owner"] = weakref.ref(self)
 
     @property
     def device(self) -> torch.device:
@@ -129,7 +130,7 @@ class LlamaDecoder:
         return self._length
 
     def _check_owner(self) -> None:
-        owner = getattr(self.llama, "_specfast_owner", None)
+        owner = llama_state(self.llama).get("owner")
         if owner is None or owner() is not self or self.llama.n_tokens != 0:
             raise RuntimeError(
                 "this Llama's cache was used by something else since this decoder was made "

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from specfast.targets.llama_cpp.build import LLAMA_PIN
+from specfast.targets.llama_cpp.state import llama_state
 
 _SET_LAYER_INPUT = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"
 _GET_LAYER_INPUT = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"
@@ -73,14 +74,14 @@ class LayerInputs:
             check_layer_inputs(llama)
         self.layers, self.ctx = layers, llama.ctx
         self.dim = int(llama_cpp.llama_model_n_embd(llama.model))
-        on = getattr(llama, "_specfast_layer_inputs", ())
+        on = llama_state(llama).get("layer_inputs", ())
         if tuple(on) != layers:
             set_, _ = _layer_input_calls()
             for i in set(on) - set(layers):
                 set_(llama.ctx, i, False)
             for i in layers:
                 set_(llama.ctx, i, True)
-            llama._specfast_layer_inputs = layers
+            llama_state(llama)["layer_inputs"] = layers
         self._get = _layer_input_calls()[1] if layers else None
 
     def read_into(self, out: torch.Tensor) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from specfast.targets.llama_cpp.state import llama_state
+
 
 class LlamaTokenizer:
     """A Llama's own tokenizer with the two methods generate() uses, plus get_vocab()."""
@@ -19,8 +21,8 @@ class LlamaTokenizer:
         return data.decode("utf-8", errors="replace")
 
     def get_vocab(self) -> dict[str, int]:
-        """token text -> id, as the GGUF spells the tokens (cached on the Llama)."""
-        cached = getattr(self.llama, "_specfast_vocab", None)
+        """token text -> id, as the GGUF spells the tokens (cached per Llama)."""
+        cached = llama_state(self.llama).get("vocab")
         if cached is None:
             lib = _lib()
             vocab = lib.llama_model_get_vocab(self.llama.model)
@@ -28,18 +30,18 @@ class LlamaTokenizer:
                 lib.llama_vocab_get_text(vocab, i).decode("utf-8", errors="replace"): i
                 for i in range(self.llama.n_vocab())
             }
-            self.llama._specfast_vocab = cached
+            llama_state(self.llama)["vocab"] = cached
         return cached
 
 
 def llama_eos_ids(llama) -> list[int]:
     """Every end-of-generation id of the vocabulary (EOS, EOT, <|im_end|>, ...), cached."""
-    cached = getattr(llama, "_specfast_eos", None)
+    cached = llama_state(llama).get("eos")
     if cached is None:
         lib = _lib()
         vocab = lib.llama_model_get_vocab(llama.model)
         cached = [i for i in range(llama.n_vocab()) if lib.llama_vocab_is_eog(vocab, i)]
-        llama._specfast_eos = cached
+        llama_state(llama)["eos"] = cached
     return list(cached)
 
 
