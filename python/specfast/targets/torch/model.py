@@ -247,6 +247,7 @@ class Model(nn.Module):
         self._packed: list | None = None  # oneDNN-prepacked CPU weights, built on first use
         self._plain_released = False  # the packed copy replaced the plain weights
         self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
+        self._int8_args: tuple = (None, [])  # see _int8_layer_weights
         self.prepack = True
         self.int8 = False  # see quantize_int8
         self.compiled_step = None  # torch.compile'd forward_static (steps.compile_step)
@@ -440,6 +441,7 @@ class Model(nn.Module):
         self._restore_plain()
         self._packed = None
         self._rows_cache = {}
+        self._int8_args = (None, [])
 
     def quantize_int8(self) -> Model:
         """Runs every matrix but the embedding lookup with int8 weights, on CPU (see
@@ -594,29 +596,26 @@ class Model(nn.Module):
         c = self.config
         x = x.float().contiguous()  # (T, D)
         cos, sin = cos[:, 0].contiguous().numpy(), sin[:, 0].contiguous().numpy()  # (T, hd)
-        for i, layer in enumerate(self.layers):
+        xs, ks, vs = x.numpy(), cache.k.numpy(), cache.v.numpy()  # views; (L, Hkv, S, hd)
+        for i, weights in enumerate(self._int8_layer_weights(packed)):
             if aux is not None and i in aux:
                 aux[i] = x.clone()  # (x changes in place)
-            qkv, o, gate_up, down = packed[i]
-            bias = layer.wqkv.bias
-            int8_layer(
-                x.numpy(),
-                layer.attn_norm.detach().numpy(),
-                qkv,
-                None if bias is None else bias.detach().numpy(),
-                o,
-                layer.ffn_norm.detach().numpy(),
-                gate_up,
-                down,
-                cos,
-                sin,
-                cache.k[i].numpy(),
-                cache.v[i].numpy(),
-                pos,
-                c.n_heads,
-                c.norm_eps,
-            )
+            int8_layer(xs, *weights, cos, sin, ks[i], vs[i], pos, c.n_heads, c.norm_eps)
         return x
+
+    def _int8_layer_weights(self, packed) -> list[tuple]:
+        """Per layer, int8_layer's weight arguments: (attn_norm, qkv, qkv bias or None, o,
+        ffn_norm, gate_up, down) as numpy views and Int8Matrix objects, made once per packing
+        (a pass of a small model spent ~1 ms making them again)."""
+        if self._int8_args[0] is not packed:
+            args = []
+            for layer, (qkv, o, gate_up, down) in zip(self.layers, packed, strict=False):
+                bias = layer.wqkv.bias
+                bias = None if bias is None else bias.detach().numpy()
+                attn, ffn = layer.attn_norm.detach().numpy(), layer.ffn_norm.detach().numpy()
+                args.append((attn, qkv, bias, o, ffn, gate_up, down))
+            self._int8_args = (packed, args)
+        return self._int8_args[1]
 
     def _head(self, x, head, packed) -> torch.Tensor:
         x = F.rms_norm(x, (self.config.dim,), self.norm, self.config.norm_eps)
