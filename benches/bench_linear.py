@@ -138,7 +138,7 @@ def candidates(native_bf16: bool) -> dict:
         out["bfloat16 oneDNN"] = (_onednn(torch.bfloat16), 2)
     if hasattr(torch.ops.quantized, "linear_dynamic"):
         out["int8 fbgemm (per-tensor x)"] = (_fbgemm(), 1)
-    for kernel in ("avx512vnni", "avx2", "scalar"):
+    for kernel in ("avx512vnni", "avxvnni", "avx2", "scalar"):
         if kernel == _core.int8_kernel() or (kernel == "avx2" and _core.int8_kernel() != "scalar"):
             out[f"int8 specfast {kernel}"] = (_specfast_int8(kernel), 1)
             if kernel != _core.int8_kernel():

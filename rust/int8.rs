@@ -8,7 +8,7 @@
 //!
 //! - row r of a pass depends only on row r of the input: a verify pass over k+1 rows gives, row
 //!   for row, the bits that k+1 one-row passes give;
-//! - the scalar, AVX2 and AVX-512 VNNI paths give bit-identical results.
+//! - the scalar, AVX2, AVX-VNNI and AVX-512 VNNI paths give bit-identical results.
 //!
 //! Packed layout: blocks of 16 output rows; inside a block, runs of 4 input features, each run
 //! 16 rows × 4 bytes (64 bytes, one zmm). A pass reads every block once for all of its rows: a
@@ -35,6 +35,8 @@ const PARALLEL_MIN: usize = 1 << 15;
 pub enum Kernel {
     Scalar,
     Avx2,
+    /// AVX-VNNI: the AVX2 path with vpdpbusd on ymm (Intel client CPUs without AVX-512).
+    AvxVnni,
     Avx512Vnni,
 }
 
@@ -49,6 +51,9 @@ impl Kernel {
             {
                 return Kernel::Avx512Vnni;
             }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avxvnni") {
+                return Kernel::AvxVnni;
+            }
             if is_x86_feature_detected!("avx2") {
                 return Kernel::Avx2;
             }
@@ -61,6 +66,16 @@ impl Kernel {
         match self {
             Kernel::Scalar => true,
             Kernel::Avx2 => cfg!(target_arch = "x86_64") && Kernel::best() != Kernel::Scalar,
+            Kernel::AvxVnni => {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avxvnni")
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                {
+                    false
+                }
+            }
             Kernel::Avx512Vnni => Kernel::best() == Kernel::Avx512Vnni,
         }
     }
@@ -69,6 +84,7 @@ impl Kernel {
         match self {
             Kernel::Scalar => "scalar",
             Kernel::Avx2 => "avx2",
+            Kernel::AvxVnni => "avxvnni",
             Kernel::Avx512Vnni => "avx512vnni",
         }
     }
@@ -78,11 +94,12 @@ impl Kernel {
             "auto" => Kernel::best(),
             "scalar" => Kernel::Scalar,
             "avx2" => Kernel::Avx2,
+            "avxvnni" => Kernel::AvxVnni,
             "avx512vnni" => Kernel::Avx512Vnni,
             _ => {
                 return Err(Error::value(format!(
-                    "kernel must be 'auto', 'scalar', 'avx2' or 'avx512vnni', got {name:?}"
-                )))
+                "kernel must be 'auto', 'scalar', 'avx2', 'avxvnni' or 'avx512vnni', got {name:?}"
+            )))
             }
         };
         if !kernel.supported() {
@@ -368,6 +385,11 @@ fn dot_blocks(
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
                     Kernel::Avx2 => unsafe { x86::dot_avx2(wj, xs, sx, width, m, &mut one) },
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as above.
+                    Kernel::AvxVnni => unsafe {
+                        x86::dot_avxvnni(wj, xs, sx, width, m, &mut one);
+                    },
                     _ => dot_scalar(wj, xs, sx, width, m, &mut one),
                 }
                 for i in 0..m {
@@ -479,70 +501,82 @@ mod x86 {
         }
     }
 
-    /// AVX2: vpmaddubsw on |x| and sign(x)·w (pairs stay within i16: 2 · 127 · 127), then
-    /// vpmaddwd with ones into i32; two ymm halves of 8 output rows each; 2 rows at a time.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn dot_avx2(
-        w: &[i8],
-        xs: &[i8],
-        sx: &[f32],
-        width: usize,
-        m: usize,
-        acc: &mut [f32],
-    ) {
-        let groups = width / GROUP;
-        let mut i = 0;
-        while i < m {
-            let (x, s, a) = (&xs[i * width..], &sx[i * groups..], &mut acc[i * BLOCK..]);
-            if m - i == 1 {
-                avx2_rows::<1>(w, x, s, width, a);
-            } else {
-                avx2_rows::<2>(w, x, s, width, a);
+    /// The AVX2-width kernels: |x| (u8) against sign(x)·w (s8), two ymm halves of 8 output
+    /// rows each, 2 rows at a time. `$step(sum, |x|, sign(x)·w)` adds one run's products:
+    /// AVX2 by vpmaddubsw (pairs stay within i16: 2 · 127 · 127) and vpmaddwd with ones,
+    /// AVX-VNNI by one vpdpbusd. The sums are the same integers, so the bits are the same.
+    macro_rules! ymm_kernel {
+        ($dot:ident, $rows:ident, $features:literal, $step:expr) => {
+            #[target_feature(enable = $features)]
+            pub unsafe fn $dot(
+                w: &[i8],
+                xs: &[i8],
+                sx: &[f32],
+                width: usize,
+                m: usize,
+                acc: &mut [f32],
+            ) {
+                let groups = width / GROUP;
+                let mut i = 0;
+                while i < m {
+                    let (x, s, a) = (&xs[i * width..], &sx[i * groups..], &mut acc[i * BLOCK..]);
+                    if m - i == 1 {
+                        $rows::<1>(w, x, s, width, a);
+                    } else {
+                        $rows::<2>(w, x, s, width, a);
+                    }
+                    i += 2;
+                }
             }
-            i += 2;
-        }
+
+            #[target_feature(enable = $features)]
+            unsafe fn $rows<const R: usize>(
+                w: &[i8],
+                xs: &[i8],
+                sx: &[f32],
+                width: usize,
+                acc: &mut [f32],
+            ) {
+                let groups = width / GROUP;
+                let wp = w.as_ptr();
+                let xp = xs.as_ptr();
+                let mut total = [[_mm256_setzero_ps(); 2]; R];
+                for g in 0..groups {
+                    let mut sums = [[_mm256_setzero_si256(); 2]; R];
+                    for run in g * GROUP / 4..(g + 1) * GROUP / 4 {
+                        let w0 = _mm256_loadu_si256(wp.add(run * 64).cast());
+                        let w1 = _mm256_loadu_si256(wp.add(run * 64 + 32).cast());
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            let x4 = xp.add(i * width + run * 4).cast::<i32>().read_unaligned();
+                            let xv = _mm256_set1_epi32(x4);
+                            let ax = _mm256_sign_epi8(xv, xv); // |x|
+                            si[0] = $step(si[0], ax, _mm256_sign_epi8(w0, xv));
+                            si[1] = $step(si[1], ax, _mm256_sign_epi8(w1, xv));
+                        }
+                    }
+                    for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                        let scale = _mm256_set1_ps(sx[i * groups + g]);
+                        for (tij, sij) in ti.iter_mut().zip(si) {
+                            let exact = _mm256_cvtepi32_ps(*sij);
+                            *tij = _mm256_add_ps(*tij, _mm256_mul_ps(exact, scale));
+                        }
+                    }
+                }
+                for (i, ti) in total.iter().enumerate() {
+                    _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK), ti[0]);
+                    _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK + 8), ti[1]);
+                }
+            }
+        };
     }
 
-    #[target_feature(enable = "avx2")]
-    unsafe fn avx2_rows<const R: usize>(
-        w: &[i8],
-        xs: &[i8],
-        sx: &[f32],
-        width: usize,
-        acc: &mut [f32],
-    ) {
-        let groups = width / GROUP;
+    ymm_kernel!(dot_avx2, avx2_rows, "avx2", |sum, ax, wx| {
         let ones = _mm256_set1_epi16(1);
-        let wp = w.as_ptr();
-        let xp = xs.as_ptr();
-        let mut total = [[_mm256_setzero_ps(); 2]; R];
-        for g in 0..groups {
-            let mut sums = [[_mm256_setzero_si256(); 2]; R];
-            for run in g * GROUP / 4..(g + 1) * GROUP / 4 {
-                let w0 = _mm256_loadu_si256(wp.add(run * 64).cast());
-                let w1 = _mm256_loadu_si256(wp.add(run * 64 + 32).cast());
-                for (i, si) in sums.iter_mut().enumerate() {
-                    let x4 = xp.add(i * width + run * 4).cast::<i32>().read_unaligned();
-                    let xv = _mm256_set1_epi32(x4);
-                    let ax = _mm256_sign_epi8(xv, xv); // |x|
-                    let p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv));
-                    let p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv));
-                    si[0] = _mm256_add_epi32(si[0], _mm256_madd_epi16(p0, ones));
-                    si[1] = _mm256_add_epi32(si[1], _mm256_madd_epi16(p1, ones));
-                }
-            }
-            for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                let scale = _mm256_set1_ps(sx[i * groups + g]);
-                for (tij, sij) in ti.iter_mut().zip(si) {
-                    *tij = _mm256_add_ps(*tij, _mm256_mul_ps(_mm256_cvtepi32_ps(*sij), scale));
-                }
-            }
-        }
-        for (i, ti) in total.iter().enumerate() {
-            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK), ti[0]);
-            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK + 8), ti[1]);
-        }
-    }
+        _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wx), ones))
+    });
+    ymm_kernel!(dot_avxvnni, avxvnni_rows, "avx2,avxvnni", |sum, ax, wx| {
+        _mm256_dpbusd_avx_epi32(sum, ax, wx)
+    });
 }
 
 #[cfg(test)]
@@ -588,10 +622,15 @@ mod tests {
     }
 
     fn kernels() -> Vec<Kernel> {
-        [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512Vnni]
-            .into_iter()
-            .filter(|k| k.supported())
-            .collect()
+        [
+            Kernel::Scalar,
+            Kernel::Avx2,
+            Kernel::AvxVnni,
+            Kernel::Avx512Vnni,
+        ]
+        .into_iter()
+        .filter(|k| k.supported())
+        .collect()
     }
 
     #[test]

@@ -10,14 +10,21 @@ import torch.nn.functional as F
 
 import specfast
 from specfast import Model, ModelConfig
-from specfast._core import Int8Matrix, int8_kernel, row_attention
+from specfast._core import Int8Matrix, row_attention
 from specfast.targets.torch.int8 import dequantize, int8_linear
 
-KERNELS = [
-    k for k in ("scalar", "avx2", "avx512vnni") if k == "scalar" or int8_kernel() != "scalar"
-]
-if int8_kernel() != "avx512vnni":
-    KERNELS = [k for k in KERNELS if k != "avx512vnni"]
+
+def _runs_here(kernel: str) -> bool:
+    try:
+        Int8Matrix(np.ones((1, 4), np.float32)).matmul(
+            np.ones((1, 4), np.float32), np.empty((1, 1), np.float32), kernel
+        )
+    except ValueError:  # this CPU cannot run it
+        return False
+    return True
+
+
+KERNELS = [k for k in ("scalar", "avx2", "avxvnni", "avx512vnni") if _runs_here(k)]
 
 
 GROUP = 32  # input features per activation scale

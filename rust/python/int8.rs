@@ -97,7 +97,7 @@ impl PyInt8Matrix {
     }
 }
 
-/// The int8 kernel this CPU runs: "avx512vnni", "avx2" or "scalar".
+/// The int8 kernel this CPU runs: "avx512vnni", "avxvnni", "avx2" or "scalar".
 #[pyfunction]
 fn int8_kernel() -> &'static str {
     Kernel::best().name()
