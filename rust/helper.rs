@@ -134,8 +134,7 @@ pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
         h.thread.unpark();
     }
     let mine = catch_unwind(AssertUnwindSafe(&a));
-    let theirs_panicked = if h
-        .state
+    if h.state
         .compare_exchange(POSTED, IDLE, Ordering::AcqRel, Ordering::Acquire)
         .is_ok()
     {
@@ -146,13 +145,12 @@ pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
         }
         b();
         return;
-    } else {
-        while h.state.load(Ordering::Acquire) != DONE {
-            std::hint::spin_loop();
-        }
-        h.state.store(IDLE, Ordering::Release);
-        h.panicked.swap(false, Ordering::Relaxed)
-    };
+    }
+    while h.state.load(Ordering::Acquire) != DONE {
+        std::hint::spin_loop();
+    }
+    h.state.store(IDLE, Ordering::Release);
+    let theirs_panicked = h.panicked.swap(false, Ordering::Relaxed);
     if let Err(p) = mine {
         std::panic::resume_unwind(p);
     }

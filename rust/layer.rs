@@ -122,7 +122,7 @@ pub fn forward(
     w.gate_up.matmul(&normed, &mut gate_up, kernel)?;
     let mut act = vec![0.0f32; rows * ff];
     for (a, gu) in act.chunks_exact_mut(ff).zip(gate_up.chunks_exact(2 * ff)) {
-        silu_mul(&gu[..ff], &gu[ff..], a);
+        attention::silu_mul(&gu[..ff], &gu[ff..], a);
     }
     w.down.matmul(&act, &mut proj, kernel)?;
     add_into(x, &proj);
@@ -218,11 +218,6 @@ fn add_into(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
         *a += b;
     }
-}
-
-/// out = silu(gate) · up = gate / (1 + e^-gate) · up.
-fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    attention::silu_mul(gate, up, out);
 }
 
 #[cfg(test)]

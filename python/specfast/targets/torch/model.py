@@ -495,12 +495,6 @@ class Model(nn.Module):
         L = pos + T
         cos, sin = self.rope(L)
         cos, sin = cos[pos:L, None, :], sin[pos:L, None, :]  # (T, 1, hd)
-        # Query i sits at pos+i and sees keys [0, pos+i]. For T == 1 that is every key: no mask.
-        # Queries are grouped per kv head as (Hkv, g*T, hd), so the mask repeats g times.
-        mask = None
-        if T > 1:
-            mask = torch.ones(T, L, dtype=torch.bool, device=ids.device).tril_(pos)
-            mask = mask.repeat(g, 1)  # (g*T, L)
 
         def attend(i, q, k, v):  # q (Hkv, g*T, hd); k, v (Hkv, T, hd)
             k_all, v_all = cache.write(i, pos, k, v)  # (Hkv, L, hd)
@@ -513,11 +507,16 @@ class Model(nn.Module):
         # of a row as a one-row pass would. In float32 on CPU each layer is one call into the
         # core (rust/layer.rs); in other dtypes torch computes attention row by row.
         layers = self._layers
-        groups = None
+        groups = mask = None
         if self.int8 and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu":
             layers = functools.partial(self._int8_layers, cache=cache, pos=pos)
         elif self.int8 and T <= INT8_SERIAL_ROWS:
             groups = row_groups(pos, T, cache.k.shape[2], ids.device)
+        elif T > 1:
+            # Query i sits at pos+i and sees keys [0, pos+i] (for T == 1 that is every key: no
+            # mask). Queries are grouped per kv head as (Hkv, g*T, hd): the mask repeats g times.
+            mask = torch.ones(T, L, dtype=torch.bool, device=ids.device).tril_(pos)
+            mask = mask.repeat(g, 1)  # (g*T, L)
 
         packed = self.packed_weights()
         if aux_layers is None:
