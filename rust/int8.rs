@@ -28,7 +28,16 @@ const PAIR: usize = 2;
 /// Above this many input features an i32 could overflow somewhere (checked at construction).
 pub const MAX_COLS: usize = 1 << 20;
 /// Matrices smaller than this many weights run on one thread (a split costs more than it saves).
-const PARALLEL_MIN: usize = 1 << 15;
+pub(crate) const PARALLEL_MIN: usize = 1 << 15;
+
+/// A weight matrix that multiplies float32 activation rows, each row computed on its own: the
+/// int8 one here and the 4-bit one in [`crate::q4`].
+pub trait Product: Sync {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// out (n, rows) = x (n, cols) · Wᵀ, both row-major.
+    fn matmul(&self, x: &[f32], out: &mut [f32], kernel: Kernel) -> Result<(), Error>;
+}
 
 /// Which instruction set a product runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,7 +129,7 @@ impl Kernel {
 /// value without SSE4.1, which was most of a 9-row product's time).
 const ROUND: f32 = 12_582_912.0;
 
-fn quantize(x: &[f32], out: &mut [i8]) -> f32 {
+pub(crate) fn quantize(x: &[f32], out: &mut [i8]) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
         out.fill(0);
@@ -219,31 +228,11 @@ impl Int8Matrix {
     /// out (n, rows) = x (n, cols) · Wᵀ, both row-major. A row of x that holds NaN or ±inf
     /// gives a row of NaN.
     pub fn matmul(&self, x: &[f32], out: &mut [f32], kernel: Kernel) -> Result<(), Error> {
-        if !x.len().is_multiple_of(self.cols) {
-            return Err(Error::value(format!(
-                "x has {} values, not a whole number of rows of {}",
-                x.len(),
-                self.cols
-            )));
-        }
-        let n = x.len() / self.cols;
-        if out.len() != n * self.rows {
-            return Err(Error::value(format!(
-                "out has {} values, expected {n} x {}",
-                out.len(),
-                self.rows
-            )));
-        }
-        if !kernel.supported() {
-            return Err(Error::value(format!(
-                "this CPU cannot run the {} kernel",
-                kernel.name()
-            )));
-        }
+        let n = check_product(x, out, self.rows, self.cols, kernel)?;
         if n == 0 {
             return Ok(());
         }
-        let acts = Activations::quantize(x, n, self.cols, self.width, kernel);
+        let acts = Activations::quantize(x, n, self.cols, self.width, kernel == Kernel::Avx512Vnni);
         let blocks = self.rows.div_ceil(BLOCK);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let block_len = self.width * BLOCK;
@@ -304,17 +293,67 @@ impl Int8Matrix {
     }
 }
 
-/// A pass's activations: (n, width) int8 values (as u8 = q + 128 for the VNNI path, which
-/// subtracts 128 · Σw afterwards), one scale per row and group, and which rows were not finite.
-struct Activations {
-    q: Vec<i8>,
-    scales: Vec<f32>, // (n, width / GROUP)
-    bad: Vec<bool>,
-    width: usize,
+impl Product for Int8Matrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn matmul(&self, x: &[f32], out: &mut [f32], kernel: Kernel) -> Result<(), Error> {
+        Int8Matrix::matmul(self, x, out, kernel)
+    }
+}
+
+/// The number of rows n of x (n, cols), after checking that out is (n, rows) and that this CPU
+/// runs `kernel`.
+pub(crate) fn check_product(
+    x: &[f32],
+    out: &[f32],
+    rows: usize,
+    cols: usize,
+    kernel: Kernel,
+) -> Result<usize, Error> {
+    if !x.len().is_multiple_of(cols) {
+        return Err(Error::value(format!(
+            "x has {} values, not a whole number of rows of {cols}",
+            x.len()
+        )));
+    }
+    let n = x.len() / cols;
+    if out.len() != n * rows {
+        return Err(Error::value(format!(
+            "out has {} values, expected {n} x {rows}",
+            out.len()
+        )));
+    }
+    if !kernel.supported() {
+        return Err(Error::value(format!(
+            "this CPU cannot run the {} kernel",
+            kernel.name()
+        )));
+    }
+    Ok(n)
+}
+
+/// A pass's activations: (n, width) int8 values (as u8 = q + 128 if `unsigned`, for the VNNI
+/// path, which subtracts 128 · Σw afterwards), one scale per row and group, and which rows were
+/// not finite.
+pub(crate) struct Activations {
+    pub(crate) q: Vec<i8>,
+    pub(crate) scales: Vec<f32>, // (n, width / GROUP)
+    pub(crate) bad: Vec<bool>,
+    pub(crate) width: usize,
 }
 
 impl Activations {
-    fn quantize(x: &[f32], n: usize, cols: usize, width: usize, kernel: Kernel) -> Activations {
+    pub(crate) fn quantize(
+        x: &[f32],
+        n: usize,
+        cols: usize,
+        width: usize,
+        unsigned: bool,
+    ) -> Activations {
         let groups = width / GROUP;
         let mut q = vec![0i8; n * width];
         let mut scales = vec![0.0f32; n * groups];
@@ -330,7 +369,7 @@ impl Activations {
                 }
             }
         }
-        if kernel == Kernel::Avx512Vnni {
+        if unsigned {
             for v in &mut q {
                 *v = (v.cast_unsigned() ^ 0x80).cast_signed();
             }
@@ -343,7 +382,7 @@ impl Activations {
         }
     }
 
-    fn rows(&self, r0: usize, m: usize) -> (&[i8], &[f32]) {
+    pub(crate) fn rows(&self, r0: usize, m: usize) -> (&[i8], &[f32]) {
         let groups = self.width / GROUP;
         (
             &self.q[r0 * self.width..(r0 + m) * self.width],
@@ -353,7 +392,7 @@ impl Activations {
 }
 
 #[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
+pub(crate) struct SendPtr(pub(crate) *mut f32);
 // SAFETY: the pointer is only written through disjoint ranges (see `epilogue`).
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}

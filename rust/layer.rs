@@ -1,4 +1,4 @@
-//! One transformer layer of an int8 model on CPU, in a single call: norms, projections, RoPE,
+//! One transformer layer of an int8 or 4-bit model on CPU, in a single call: norms, projections, RoPE,
 //! the cache write, attention and the MLP, every row of the pass computed on its own.
 //!
 //! A decode step of a small model makes ~35 tensor operations per layer between its matrix
@@ -8,7 +8,7 @@
 
 use crate::attention::{self, Dims};
 use crate::error::{Error, Result};
-use crate::int8::{Int8Matrix, Kernel};
+use crate::int8::{Kernel, Product};
 
 /// A Llama-family layer's weights (Llama, Qwen2, SmolLM2): pre-norm attention with grouped kv
 /// heads and rotate-half RoPE, then a pre-norm SiLU-gated MLP.
@@ -16,16 +16,16 @@ pub struct Weights<'a> {
     /// (dim,) RMSNorm weight before attention.
     pub attn_norm: &'a [f32],
     /// ((H + 2 Hkv) hd, dim): q, k and v stacked.
-    pub qkv: &'a Int8Matrix,
+    pub qkv: &'a dyn Product,
     /// ((H + 2 Hkv) hd,), or none.
     pub qkv_bias: Option<&'a [f32]>,
     /// (dim, H hd).
-    pub o: &'a Int8Matrix,
+    pub o: &'a dyn Product,
     pub ffn_norm: &'a [f32],
     /// (2 F, dim): gate then up.
-    pub gate_up: &'a Int8Matrix,
+    pub gate_up: &'a dyn Product,
     /// (dim, F).
-    pub down: &'a Int8Matrix,
+    pub down: &'a dyn Product,
 }
 
 /// The layer's shape, and where the pass sits in the cache.
@@ -223,26 +223,28 @@ fn add_into(x: &mut [f32], y: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::int8::Int8Matrix;
+    use crate::q4::Q4Matrix;
 
     struct Layer {
         attn_norm: Vec<f32>,
-        qkv: Int8Matrix,
-        o: Int8Matrix,
+        qkv: Box<dyn Product>,
+        o: Box<dyn Product>,
         ffn_norm: Vec<f32>,
-        gate_up: Int8Matrix,
-        down: Int8Matrix,
+        gate_up: Box<dyn Product>,
+        down: Box<dyn Product>,
     }
 
     impl Layer {
         fn weights(&self) -> Weights<'_> {
             Weights {
                 attn_norm: &self.attn_norm,
-                qkv: &self.qkv,
+                qkv: self.qkv.as_ref(),
                 qkv_bias: None,
-                o: &self.o,
+                o: self.o.as_ref(),
                 ffn_norm: &self.ffn_norm,
-                gate_up: &self.gate_up,
-                down: &self.down,
+                gate_up: self.gate_up.as_ref(),
+                down: self.down.as_ref(),
             }
         }
     }
@@ -269,10 +271,16 @@ mod tests {
         pos: 0,
     };
 
-    fn layer() -> Layer {
+    /// A layer of random weights, int8 or (`four_bit`) Q4_1.
+    fn layer(four_bit: bool) -> Layer {
         let width = (4 + 2 * 2) * 12;
-        let m = |r: usize, c: usize, seed| {
-            Int8Matrix::quantize(&values(r * c, seed, 0.5), r, c).unwrap()
+        let m = |r: usize, c: usize, seed| -> Box<dyn Product> {
+            let w = values(r * c, seed, 0.5);
+            if four_bit {
+                Box::new(Q4Matrix::quantize(&w, r, c).unwrap())
+            } else {
+                Box::new(Int8Matrix::quantize(&w, r, c).unwrap())
+            }
         };
         Layer {
             attn_norm: values(DIM, 1, 1.0).iter().map(|v| 1.0 + v).collect(),
@@ -301,17 +309,22 @@ mod tests {
     /// A pass over T rows equals T one-row passes, bit for bit, cache included.
     #[test]
     fn rows_are_independent() {
-        let l = layer();
+        for four_bit in [false, true] {
+            rows_are_independent_with(&layer(four_bit));
+        }
+    }
+
+    fn rows_are_independent_with(l: &Layer) {
         let n = 2 * 40 * 12;
         let x = values(7 * DIM, 9, 2.0);
         let mut whole = x.clone();
         let mut cache = (vec![0.0; n], vec![0.0; n]);
-        run(&l, &mut whole, 3, &mut cache);
+        run(l, &mut whole, 3, &mut cache);
         let mut rows = Vec::new();
         let mut cache2 = (vec![0.0; n], vec![0.0; n]);
         for t in 0..7 {
             let mut r = x[t * DIM..(t + 1) * DIM].to_vec();
-            run(&l, &mut r, 3 + t, &mut cache2);
+            run(l, &mut r, 3 + t, &mut cache2);
             rows.extend(r);
         }
         assert_eq!(whole, rows);
@@ -323,7 +336,7 @@ mod tests {
     /// never written) is not what the pass gave it, so the comparison sees context.
     #[test]
     fn a_row_depends_on_the_keys_before_it() {
-        let l = layer();
+        let l = layer(true);
         let n = 2 * 40 * 12;
         let x = values(2 * DIM, 9, 2.0);
         let mut whole = x.clone();
@@ -336,7 +349,7 @@ mod tests {
 
     #[test]
     fn bad_shapes_are_errors() {
-        let l = layer();
+        let l = layer(false);
         let n = 2 * 40 * 12;
         let mut cache = (vec![0.0; n], vec![0.0; n - 1]);
         let w = l.weights();

@@ -6,6 +6,7 @@
 //! - [`corpus`]: saving a drafter's corpus to a versioned, checksummed file and loading it back.
 //! - [`accept`]: greedy verification and residual rejection sampling.
 //! - [`int8`]: int8 matrix products whose rows are quantized, and so computed, independently.
+//! - [`q4`]: 4-bit (llama.cpp Q4_1) weight products, rows computed independently as int8's.
 //! - [`attention`]: causal attention whose rows are computed, like int8's, independently.
 //! - [`layer`]: one int8 transformer layer in one call, rows computed independently.
 //! - [`helper`]: a second thread that splits a short job in two without a wake-up delay.
@@ -24,6 +25,7 @@ pub mod error;
 pub mod helper;
 pub mod int8;
 pub mod layer;
+pub mod q4;
 pub mod tiles;
 
 #[cfg(feature = "python")]

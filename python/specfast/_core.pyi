@@ -11,6 +11,7 @@ import numpy.typing as npt
 __all__ = [
     "Int8Matrix",
     "NgramDrafter",
+    "Q4Matrix",
     "accept_greedy",
     "accept_sampled",
     "accept_sampled_with_uniforms",
@@ -47,7 +48,7 @@ def rule_tables(
 def amx_usable() -> bool: ...
 def ggml_tile_restorer() -> int: ...
 
-# ---- int8 matrix products (rust/int8.rs) ------------------------------------------------------
+# ---- int8 and 4-bit matrix products (rust/int8.rs, rust/q4.rs) --------------------------------
 
 @final
 class Int8Matrix:
@@ -63,16 +64,36 @@ class Int8Matrix:
     @property
     def nbytes(self) -> int: ...
 
+@final
+class Q4Matrix:
+    def __new__(cls, weight: npt.NDArray[np.float32]) -> Q4Matrix: ...
+    @staticmethod
+    def from_parts(
+        q: npt.NDArray[np.uint8], d: npt.NDArray[np.float32], m: npt.NDArray[np.float32]
+    ) -> Q4Matrix: ...
+    def matmul(
+        self, x: npt.NDArray[np.float32], out: npt.NDArray[np.float32], kernel: str = "auto"
+    ) -> None: ...
+    def parts(
+        self,
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def cols(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
 def int8_kernel() -> str: ...
 def int8_layer(
     x: npt.NDArray[np.float32],
     attn_norm: npt.NDArray[np.float32],
-    qkv: Int8Matrix,
+    qkv: Int8Matrix | Q4Matrix,
     qkv_bias: npt.NDArray[np.float32] | None,
-    o: Int8Matrix,
+    o: Int8Matrix | Q4Matrix,
     ffn_norm: npt.NDArray[np.float32],
-    gate_up: Int8Matrix,
-    down: Int8Matrix,
+    gate_up: Int8Matrix | Q4Matrix,
+    down: Int8Matrix | Q4Matrix,
     cos: npt.NDArray[np.float32],
     sin: npt.NDArray[np.float32],
     k_cache: npt.NDArray[np.float32],

@@ -7,15 +7,45 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::int8::{self, Kernel};
+use crate::int8::{self, Kernel, Product};
 
-fn contiguous<'a>(name: &str, a: &'a PyReadonlyArray2<'_, f32>) -> PyResult<&'a [f32]> {
+pub(crate) fn contiguous<'a>(name: &str, a: &'a PyReadonlyArray2<'_, f32>) -> PyResult<&'a [f32]> {
     match (a.is_c_contiguous(), a.as_slice()) {
         (true, Ok(s)) => Ok(s),
         _ => Err(PyValueError::new_err(format!(
             "{name} must be a C-contiguous float32 array"
         ))),
     }
+}
+
+/// out (n, rows) = x (n, cols) @ W.T for either weight kind, with the interpreter released.
+pub(crate) fn product_matmul(
+    py: Python<'_>,
+    m: &dyn Product,
+    x: &PyReadonlyArray2<'_, f32>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    kernel: &str,
+) -> PyResult<()> {
+    let kernel = Kernel::from_name(kernel)?;
+    let (xs, os) = (x.shape(), out.shape());
+    if xs[1] != m.cols() || os[0] != xs[0] || os[1] != m.rows() {
+        return Err(PyValueError::new_err(format!(
+            "x must be (n, {}) and out (n, {}); got x {:?} and out {:?}",
+            m.cols(),
+            m.rows(),
+            xs,
+            os
+        )));
+    }
+    let x = contiguous("x", x)?;
+    let contiguous_out = out.is_c_contiguous();
+    let (true, Ok(out)) = (contiguous_out, out.as_slice_mut()) else {
+        return Err(PyValueError::new_err(
+            "out must be a C-contiguous float32 array",
+        ));
+    };
+    py.detach(|| m.matmul(x, out, kernel))?;
+    Ok(())
 }
 
 type QuantizedWeights<'py> = (Bound<'py, PyArray2<i8>>, Bound<'py, PyArray1<f32>>);
@@ -44,29 +74,10 @@ impl PyInt8Matrix {
         &self,
         py: Python<'_>,
         x: PyReadonlyArray2<'_, f32>,
-        mut out: PyReadwriteArray2<'_, f32>,
+        out: PyReadwriteArray2<'_, f32>,
         kernel: &str,
     ) -> PyResult<()> {
-        let kernel = Kernel::from_name(kernel)?;
-        let (xs, os) = (x.shape(), out.shape());
-        if xs[1] != self.inner.cols() || os[0] != xs[0] || os[1] != self.inner.rows() {
-            return Err(PyValueError::new_err(format!(
-                "x must be (n, {}) and out (n, {}); got x {:?} and out {:?}",
-                self.inner.cols(),
-                self.inner.rows(),
-                xs,
-                os
-            )));
-        }
-        let x = contiguous("x", &x)?;
-        let contiguous_out = out.is_c_contiguous();
-        let (true, Ok(out)) = (contiguous_out, out.as_slice_mut()) else {
-            return Err(PyValueError::new_err(
-                "out must be a C-contiguous float32 array",
-            ));
-        };
-        py.detach(|| self.inner.matmul(x, out, kernel))?;
-        Ok(())
+        product_matmul(py, &self.inner, &x, out, kernel)
     }
 
     /// The quantized weights (rows, cols) int8 and the scale of each row (rows,) float32.

@@ -4,11 +4,27 @@
 use numpy::{
     PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyReadwriteArray3, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::int8::PyInt8Matrix;
+use super::q4::PyQ4Matrix;
+use crate::int8::Product;
 use crate::layer::{self, Shape, Weights};
+
+/// An Int8Matrix's or a Q4Matrix's product.
+fn product<'a>(name: &str, obj: &'a Bound<'_, PyAny>) -> PyResult<&'a dyn Product> {
+    if let Ok(m) = obj.cast::<PyInt8Matrix>() {
+        return Ok(&m.get().inner);
+    }
+    if let Ok(m) = obj.cast::<PyQ4Matrix>() {
+        return Ok(&m.get().inner);
+    }
+    Err(PyTypeError::new_err(format!(
+        "{name} must be an Int8Matrix or a Q4Matrix, got {}",
+        obj.get_type().name()?
+    )))
+}
 
 fn contiguous_error(name: &str) -> PyErr {
     PyValueError::new_err(format!("{name} must be a C-contiguous float32 array"))
@@ -46,12 +62,12 @@ fn int8_layer(
     py: Python<'_>,
     mut x: PyReadwriteArray2<'_, f32>,
     attn_norm: PyReadonlyArray1<'_, f32>,
-    qkv: PyRef<'_, PyInt8Matrix>,
+    qkv: &Bound<'_, PyAny>,
     qkv_bias: Option<PyReadonlyArray1<'_, f32>>,
-    o: PyRef<'_, PyInt8Matrix>,
+    o: &Bound<'_, PyAny>,
     ffn_norm: PyReadonlyArray1<'_, f32>,
-    gate_up: PyRef<'_, PyInt8Matrix>,
-    down: PyRef<'_, PyInt8Matrix>,
+    gate_up: &Bound<'_, PyAny>,
+    down: &Bound<'_, PyAny>,
     cos: PyReadonlyArray2<'_, f32>,
     sin: PyReadonlyArray2<'_, f32>,
     mut k_cache: PyReadwriteArray3<'_, f32>,
@@ -81,12 +97,12 @@ fn int8_layer(
     };
     let w = Weights {
         attn_norm: slice!("attn_norm", attn_norm),
-        qkv: &qkv.inner,
+        qkv: product("qkv", qkv)?,
         qkv_bias: bias,
-        o: &o.inner,
+        o: product("o", o)?,
         ffn_norm: slice!("ffn_norm", ffn_norm),
-        gate_up: &gate_up.inner,
-        down: &down.inner,
+        gate_up: product("gate_up", gate_up)?,
+        down: product("down", down)?,
     };
     let (cos, sin) = (slice!("cos", cos), slice!("sin", sin));
     let x = slice_mut!("x", x);

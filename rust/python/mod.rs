@@ -11,6 +11,7 @@ mod attention;
 mod drafter;
 mod int8;
 mod layer;
+mod q4;
 
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
@@ -48,6 +49,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     attention::register(m)?;
     int8::register(m)?;
     layer::register(m)?;
+    q4::register(m)?;
     m.add_function(wrap_pyfunction!(amx_usable, m)?)?;
     m.add_function(wrap_pyfunction!(ggml_tile_restorer, m)?)?;
     Ok(())

@@ -15,7 +15,7 @@ from specfast.formats.gguf import load_gguf
 from specfast.formats.hf_folder import load_hf_folder
 from specfast.targets.base import default_model_path
 from specfast.targets.llama_cpp import load_llama
-from specfast.targets.torch.int8 import auto_weights, check_weights
+from specfast.targets.torch.int8 import QUANTIZED, auto_weights, check_weights
 from specfast.targets.torch.model import Model, resolve_device, resolve_dtype, trim_heap
 from specfast.targets.torch.steps import resolve_compile
 
@@ -52,25 +52,27 @@ def load_model(
         )
     weights = check_weights(weights)
     device = resolve_device(device)
-    if weights == "int8" and device.type != "cpu":
-        raise ValueError(f'weights="int8" runs on CPU only; the device is {device}')
+    quantized = weights in QUANTIZED
+    if quantized and device.type != "cpu":
+        raise ValueError(f"weights={weights!r} runs on CPU only; the device is {device}")
     compiled = resolve_compile(compile, device)
     try_int8 = weights == "auto" and dtype == "auto" and device.type == "cpu" and not compiled
-    if weights == "int8" and compiled:
-        raise ValueError('weights="int8" runs eagerly on CPU; pass compile="off" or "auto"')
+    if quantized and compiled:
+        raise ValueError(f'weights={weights!r} runs eagerly on CPU; pass compile="off" or "auto"')
     path = default_model_path() if path is None else Path(path)
-    if weights == "int8":
-        return _load(path, device, resolve_dtype(dtype, device) if dtype != "auto" else None, True)
-    model = _load(path, device, resolve_dtype(dtype, device), False)
+    if quantized:
+        dtype = resolve_dtype(dtype, device) if dtype != "auto" else None
+        return _load(path, device, dtype, weights)
+    model = _load(path, device, resolve_dtype(dtype, device), "float")
     if try_int8:
-        model, _ = auto_weights(model, lambda: _load(path, device, None, True))
+        model, _ = auto_weights(model, lambda: _load(path, device, None, "int8"))
         if model.int8:
             return model
     return model.compile_steps() if compiled else model
 
 
-def _load(path: Path, device, dtype, int8: bool) -> Model:
-    """The model at `path` in `dtype` (None: float32), with int8 weights if asked."""
+def _load(path: Path, device, dtype, weights: str) -> Model:
+    """The model at `path` in `dtype` (None: float32), with quantized weights if asked."""
     dtype = torch.float32 if dtype is None else dtype
     if path.is_dir():
         model = load_hf_folder(path, dtype)
@@ -79,7 +81,7 @@ def _load(path: Path, device, dtype, int8: bool) -> Model:
     else:
         raise FileNotFoundError(f"no model at {path}: expected a GGUF file or a checkpoint folder")
     model = model.to(device=device, dtype=dtype)
-    if int8:
-        model.quantize_int8().packed_weights()  # quantized now, so the float copies go now
+    if weights in QUANTIZED:
+        model.quantize_int8(weights).packed_weights()  # quantized now: the float copies go now
     trim_heap()  # the loader's temporaries
     return model

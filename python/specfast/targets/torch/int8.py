@@ -1,9 +1,10 @@
-"""int8 weights on CPU: the Rust kernel's glue, and which weights "auto" picks on this CPU.
+"""Quantized weights on CPU: the Rust kernels' glue, and which weights "auto" picks on this CPU.
 
-Weights are int8 with one scale per output row; each activation row is quantized with its own
-scale at every call (`specfast._core.Int8Matrix`). So a row's logits never depend on the other
-rows of a pass: a verify pass over k+1 tokens gives exactly what k+1 one-token passes give, which
-keeps an int8 model's speculative output equal to its own plain output.
+Weights are int8 with one scale per output row (`specfast._core.Int8Matrix`), or 4-bit as
+llama.cpp's Q4_1 (`specfast._core.Q4Matrix`: per group of 32 inputs a scale and a minimum); each
+activation row is quantized with its own scales at every call. So a row's logits never depend on
+the other rows of a pass: a verify pass over k+1 tokens gives exactly what k+1 one-token passes
+give, which keeps a quantized model's speculative output equal to its own plain output.
 
 `load_model(weights="auto")` picks int8 where a timed decode step says it is faster than the
 float weights at the dtype "auto" chose. The choice is kept per CPU and model shape in
@@ -23,10 +24,12 @@ from typing import Any
 
 import torch
 
-from specfast._core import Int8Matrix, int8_kernel
+from specfast._core import Int8Matrix, Q4Matrix, int8_kernel
 from specfast.hardware import proc_cpu_flags
 
-WEIGHTS_CHOICES = ("auto", "float", "int8")
+WEIGHTS_CHOICES = ("auto", "float", "int8", "q4")
+# The weight kinds the core runs, with int8 activations.
+QUANTIZED = ("int8", "q4")
 # Part of the cache key of "auto"'s timings: bump it when the int8 path's speed changes.
 KERNEL_VERSION = 2
 # Passes of up to this many tokens run torch's own ops on one thread: the core splits its
@@ -55,18 +58,23 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def quantize(weight: torch.Tensor) -> Int8Matrix:
-    """(N, K) float weight -> int8, one scale per row."""
-    return Int8Matrix(weight.detach().float().contiguous().numpy())
+def quantize(weight: torch.Tensor, kind: str = "int8") -> Int8Matrix | Q4Matrix:
+    """(N, K) float weight -> int8 (one scale per row) or q4 (Q4_1: per group of 32)."""
+    w = weight.detach().float().contiguous().numpy()
+    return Q4Matrix(w) if kind == "q4" else Int8Matrix(w)
 
 
-def dequantize(m: Int8Matrix) -> torch.Tensor:
-    """The float32 (N, K) matrix the int8 one stands for: q * scale per row."""
+def dequantize(m: Int8Matrix | Q4Matrix) -> torch.Tensor:
+    """The float32 (N, K) matrix a quantized one stands for."""
+    if isinstance(m, Q4Matrix):
+        q, d, mins = (torch.from_numpy(a) for a in m.parts())  # (N, K), (N, G), (N, G)
+        groups = torch.arange(m.cols) // 32
+        return q.float() * d[:, groups] + mins[:, groups]
     q, scales = m.weights()
     return torch.from_numpy(q).float() * torch.from_numpy(scales)[:, None]
 
 
-def int8_linear(x: torch.Tensor, m: Int8Matrix) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, m: Int8Matrix | Q4Matrix) -> torch.Tensor:
     """x (..., K) @ W.T -> (..., N) in x's dtype; the product runs in float32 activations."""
     x2 = x.reshape(-1, m.cols)
     if x2.dtype != torch.float32 or not x2.is_contiguous():

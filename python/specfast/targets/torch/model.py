@@ -26,7 +26,9 @@ from specfast.targets.base import (
 )
 from specfast.targets.torch.int8 import (
     INT8_SERIAL_ROWS,
+    QUANTIZED,
     Int8Matrix,
+    Q4Matrix,
     dequantize,
     int8_kernel,
     int8_linear,
@@ -159,7 +161,7 @@ def linear(x, weight, packed=None, bias=None):
     """F.linear, through a oneDNN-prepacked weight or an int8 matrix if given."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if isinstance(packed, Int8Matrix):
+    if isinstance(packed, (Int8Matrix, Q4Matrix)):
         y = int8_linear(x, packed)
         return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -249,18 +251,21 @@ class Model(nn.Module):
         self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
         self._int8_args: tuple = (None, [])  # see _int8_layer_weights
         self.prepack = True
-        self.int8 = False  # see quantize_int8
+        # True once the matrices run in the core with int8 activations (quantize_int8);
+        # weight_kind says which weights: "int8" or "q4".
+        self.int8 = False
+        self.weight_kind = "float"
         self.compiled_step = None  # torch.compile'd forward_static (steps.compile_step)
 
     def extra_repr(self) -> str:
         step = "compiled" if self.compiled_step is not None else "eager"
-        weights = f"int8 ({int8_kernel()})" if self.int8 else "float"
+        weights = f"{self.weight_kind} ({int8_kernel()})" if self.int8 else "float"
         return f"dtype={self.dtype}, weights={weights}, device={self.device}, step={step}"
 
     @property
     def weights(self) -> str:
-        """'int8' after quantize_int8(), else 'float'."""
-        return "int8" if self.int8 else "float"
+        """'int8' or 'q4' after quantize_int8(), else 'float'."""
+        return self.weight_kind
 
     def compile_steps(
         self, enabled: bool = True, mode: str | None = None, backend: str = "inductor"
@@ -360,8 +365,8 @@ class Model(nn.Module):
         release = self.compiled_step is None
         released: list[tuple[nn.Linear, torch.Tensor]] = []
 
-        def pack(m: nn.Linear):
-            p = self._pack(m.weight)
+        def pack(m: nn.Linear, head: bool = False):
+            p = self._pack(m.weight, head)
             if release:
                 released.append((m, p))
                 _to_placeholder(m)
@@ -375,9 +380,9 @@ class Model(nn.Module):
                     )
                 # A tied head is the embedding, which the lookup still needs: kept.
                 packed.append(
-                    pack(self.lm_head)
+                    pack(self.lm_head, head=True)
                     if self.lm_head is not None
-                    else self._pack(self.embed.weight)
+                    else self._pack(self.embed.weight, head=True)
                 )
             except RuntimeError:  # a oneDNN build that cannot pack this dtype: plain F.linear
                 for m, p in released:
@@ -406,16 +411,18 @@ class Model(nn.Module):
             m.weight = nn.Parameter(w, requires_grad=False)
         self._plain_released = False
 
-    def _pack(self, w: torch.Tensor):
-        """One matrix as packed_weights() holds it: int8, or oneDNN-blocked for 16 rows (as
-        fast as unpacked for 1 row, 1.5-2x faster for 4-16)."""
+    def _pack(self, w: torch.Tensor, head: bool = False):
+        """One matrix as packed_weights() holds it: int8 or q4 (the head int8), or oneDNN-blocked
+        for 16 rows (as fast as unpacked for 1 row, 1.5-2x faster for 4-16)."""
         if self.int8:
-            return quantize(w)
+            return quantize(w, "int8" if head else self.weight_kind)
         return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
 
     def _unpacked(self, p) -> torch.Tensor:
         """The plain matrix a packed one stands for."""
-        return dequantize(p).to(self.dtype) if isinstance(p, Int8Matrix) else p.to_dense()
+        if isinstance(p, (Int8Matrix, Q4Matrix)):
+            return dequantize(p).to(self.dtype)
+        return p.to_dense()
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -443,22 +450,28 @@ class Model(nn.Module):
         self._rows_cache = {}
         self._int8_args = (None, [])
 
-    def quantize_int8(self) -> Model:
-        """Runs every matrix but the embedding lookup with int8 weights, on CPU (see
-        specfast.targets.torch.int8): one scale per output row, and each activation row
-        quantized on its own, so a verify pass gives row for row what one-token passes give. A
-        pass reads a quarter of float32's bytes.
+    def quantize_int8(self, weights: str = "int8") -> Model:
+        """Runs every matrix but the embedding lookup in the core with int8 activations, on CPU
+        (see specfast.targets.torch.int8), each activation row quantized on its own, so a verify
+        pass gives row for row what one-token passes give.
 
-        The int8 matrices replace the float ones (unpack() brings them back dequantized).
+        weights="int8": one scale per output row; a pass reads a quarter of float32's bytes.
+        weights="q4": the layers' matrices in llama.cpp's Q4_1 (5 bits a weight), the output
+        matrix in int8 (a 4-bit vocabulary projection costs the most agreement for its bytes).
+
+        The quantized matrices replace the float ones (unpack() brings them back dequantized).
         Quantizing changes what the model generates, as a lower dtype does; its speculative
         output still equals its own plain output. Returns self.
         """
+        if weights not in QUANTIZED:
+            raise ValueError(f"weights must be one of {QUANTIZED}, got {weights!r}")
         if self.device.type != "cpu":
             raise ValueError(f"quantize_int8 runs on CPU only; the model is on {self.device}")
         if self.compiled_step is not None:
             raise ValueError("int8 weights run eagerly on CPU; call compile_steps(False) first")
         self.unpack()
         self.int8 = True
+        self.weight_kind = weights
         return self
 
     # -- forward

@@ -1,0 +1,617 @@
+//! 4-bit weight matrix products for CPU decode and verify passes.
+//!
+//! Weights are llama.cpp's Q4_1: each output row, in groups of 32 input features, holds values
+//! q in 0..=15 with a scale d and a minimum m (both f16), standing for d·q + m. Activations are
+//! int8, quantized at every call with one scale per row and group (as in [`crate::int8`]), so a
+//! group's product is
+//!
+//!   Σ x·w = sx · (d · Σ q·xq + m · Σ xq),
+//!
+//! two exact integer sums and a few float operations. In every code path alike, for the groups
+//! in order, `acc += (Σ q·xq as f32) * (d * sx)`, then `acc += m * (sx * Σ xq as f32)`. So, as for
+//! int8, a row of a pass depends only on its own input row, and the scalar and AVX2 paths give
+//! the same bits.
+//!
+//! Why 4 bits: a decode step reads every weight once, so 5 bits a weight (4, plus d and m per 32)
+//! read in 5/8 of int8's time. And unsigned 4-bit values let AVX2's vpmaddubsw (u8 × s8) run
+//! without int8's sign juggling, and sum 8 of its i16 pairs before widening (8 · 2 · 15 · 127 <
+//! 2^15), which halves the multiplies a verify pass makes.
+//!
+//! Packed layout: blocks of 16 output rows; inside a block, per pair of runs of 4 features, 64
+//! bytes: byte i holds row i / 4, feature i % 4 of the first run in its low nibble and of the
+//! second run in its high one (the int8 layout's two runs, one nibble each).
+
+use half::f16;
+
+use crate::error::Error;
+use crate::int8::{check_product, Activations, Kernel, Product, SendPtr, GROUP, PARALLEL_MIN};
+
+/// Output rows per packed block.
+const BLOCK: usize = 16;
+/// Above this many input features the packing's indices could overflow (checked at
+/// construction); the i32 group sums cannot, whatever the width.
+pub const MAX_COLS: usize = 1 << 20;
+
+pub struct Q4Matrix {
+    rows: usize,
+    cols: usize,
+    width: usize,      // cols padded to whole groups
+    packed: Vec<u8>,   // [ceil(rows / 16)][width / 8][64]
+    scale: Vec<f16>,   // [ceil(rows / 16)][width / 32][16]: d
+    minimum: Vec<f16>, // as scale: m
+}
+
+impl Q4Matrix {
+    /// Quantizes a row-major (rows, cols) float matrix as llama.cpp's quantize does for Q4_1:
+    /// per group, m = min and d = (max - min) / 15, each rounded to f16, q = round((w - m) / d).
+    pub fn quantize(weight: &[f32], rows: usize, cols: usize) -> Result<Q4Matrix, Error> {
+        check_shape(rows, cols, weight.len())?;
+        if let Some(bad) = weight.iter().find(|v| !v.is_finite()) {
+            return Err(Error::value(format!(
+                "weights must be finite to quantize, found {bad}"
+            )));
+        }
+        let groups = cols.div_ceil(GROUP);
+        let mut q = vec![0u8; rows * cols];
+        let mut d = vec![f16::ZERO; rows * groups];
+        let mut m = vec![f16::ZERO; rows * groups];
+        for o in 0..rows {
+            for g in 0..groups {
+                let (lo, hi) = (o * cols + g * GROUP, o * cols + ((g + 1) * GROUP).min(cols));
+                let values = &weight[lo..hi];
+                let min = values.iter().copied().fold(f32::INFINITY, f32::min);
+                let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mh = f16::from_f32(min);
+                let dh = f16::from_f32((max - mh.to_f32()) / 15.0);
+                let (mf, df) = (mh.to_f32(), dh.to_f32());
+                for (qk, &v) in q[lo..hi].iter_mut().zip(values) {
+                    let t = if df > 0.0 { (v - mf) / df } else { 0.0 };
+                    *qk = t.round().clamp(0.0, 15.0) as u8;
+                }
+                d[o * groups + g] = dh;
+                m[o * groups + g] = mh;
+            }
+        }
+        Q4Matrix::from_parts(&q, &d, &m, rows, cols)
+    }
+
+    /// A matrix from its values q (rows, cols) in 0..=15, and d and m (rows, ceil(cols / 32)):
+    /// a Q4_1 tensor's blocks, unpacked. Exact: w = d·q + m.
+    pub fn from_parts(
+        q: &[u8],
+        d: &[f16],
+        m: &[f16],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Q4Matrix, Error> {
+        check_shape(rows, cols, q.len())?;
+        let groups = cols.div_ceil(GROUP);
+        if d.len() != rows * groups || m.len() != rows * groups {
+            return Err(Error::value(format!(
+                "d and m must hold {rows} x {groups} values, got {} and {}",
+                d.len(),
+                m.len()
+            )));
+        }
+        if let Some(bad) = q.iter().find(|&&v| v > 15) {
+            return Err(Error::value(format!(
+                "4-bit values must be 0..=15, found {bad}"
+            )));
+        }
+        if let Some(bad) = d.iter().chain(m).find(|v| !v.is_finite()) {
+            return Err(Error::value(format!("d and m must be finite, found {bad}")));
+        }
+        let width = cols.next_multiple_of(GROUP);
+        let blocks = rows.div_ceil(BLOCK);
+        let pairs = width / 8;
+        let mut packed = vec![0u8; blocks * pairs * 64];
+        let mut scale = vec![f16::ZERO; blocks * groups * BLOCK];
+        let mut minimum = vec![f16::ZERO; blocks * groups * BLOCK];
+        for o in 0..rows {
+            let (b, lane) = (o / BLOCK, o % BLOCK);
+            for k in 0..cols {
+                let run = k / 4;
+                let byte = (b * pairs + run / 2) * 64 + lane * 4 + k % 4;
+                packed[byte] |= q[o * cols + k] << (4 * (run % 2));
+            }
+            for g in 0..groups {
+                scale[(b * groups + g) * BLOCK + lane] = d[o * groups + g];
+                minimum[(b * groups + g) * BLOCK + lane] = m[o * groups + g];
+            }
+        }
+        Ok(Q4Matrix {
+            rows,
+            cols,
+            width,
+            packed,
+            scale,
+            minimum,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes a pass reads: the packed values and their scales and minimums.
+    pub fn nbytes(&self) -> usize {
+        self.packed.len() + 2 * (self.scale.len() + self.minimum.len())
+    }
+
+    /// The values (rows, cols) and d and m (rows, ceil(cols / 32)), as `from_parts` takes them.
+    pub fn parts(&self) -> (Vec<u8>, Vec<f16>, Vec<f16>) {
+        let (pairs, groups) = (self.width / 8, self.width / GROUP);
+        let mut q = vec![0u8; self.rows * self.cols];
+        let mut d = vec![f16::ZERO; self.rows * groups];
+        let mut m = vec![f16::ZERO; self.rows * groups];
+        for o in 0..self.rows {
+            let (b, lane) = (o / BLOCK, o % BLOCK);
+            for k in 0..self.cols {
+                let run = k / 4;
+                let byte = self.packed[(b * pairs + run / 2) * 64 + lane * 4 + k % 4];
+                q[o * self.cols + k] = (byte >> (4 * (run % 2))) & 15;
+            }
+            for g in 0..groups {
+                d[o * groups + g] = self.scale[(b * groups + g) * BLOCK + lane];
+                m[o * groups + g] = self.minimum[(b * groups + g) * BLOCK + lane];
+            }
+        }
+        (q, d, m)
+    }
+
+    /// out (n, rows) = x (n, cols) · Wᵀ, both row-major. A row of x that holds NaN or ±inf
+    /// gives a row of NaN.
+    pub fn matmul(&self, x: &[f32], out: &mut [f32], kernel: Kernel) -> Result<(), Error> {
+        let n = check_product(x, out, self.rows, self.cols, kernel)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let acts = Activations::quantize(x, n, self.cols, self.width, false);
+        let sums = group_sums(&acts, n);
+        let blocks = self.rows.div_ceil(BLOCK);
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        let run = |range: std::ops::Range<usize>| {
+            let mut acc = [0.0f32; 2 * BLOCK];
+            for b in range {
+                for r0 in (0..n).step_by(2) {
+                    let m = 2.min(n - r0);
+                    self.dot_block(kernel, b, &acts, &sums, r0, m, &mut acc);
+                    self.write(b, r0, m, &acc, &acts.bad, out_ptr);
+                }
+            }
+        };
+        if self.rows * self.cols < PARALLEL_MIN || blocks < 4 {
+            run(0..blocks);
+        } else {
+            // Two halves at once: this thread and the helper (see helper.rs).
+            let mid = blocks / 2;
+            crate::helper::join(|| run(0..mid), || run(mid..blocks));
+        }
+        Ok(())
+    }
+
+    /// acc[i * 16 + lane] = row r0 + i's product with block b's 16 rows, for m ≤ 2 rows.
+    #[allow(clippy::too_many_arguments)]
+    fn dot_block(
+        &self,
+        kernel: Kernel,
+        b: usize,
+        acts: &Activations,
+        sums: &[f32],
+        r0: usize,
+        m: usize,
+        acc: &mut [f32],
+    ) {
+        let (pairs, groups) = (self.width / 8, self.width / GROUP);
+        let w = &self.packed[b * pairs * 64..(b + 1) * pairs * 64];
+        let d = &self.scale[b * groups * BLOCK..(b + 1) * groups * BLOCK];
+        let mn = &self.minimum[b * groups * BLOCK..(b + 1) * groups * BLOCK];
+        let (xs, sx) = acts.rows(r0, m);
+        let xsum = &sums[r0 * groups..(r0 + m) * groups];
+        let block = Block {
+            w,
+            d,
+            m: mn,
+            width: self.width,
+        };
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a kernel other than Scalar passed `supported()`, so the CPU has AVX2 (every
+            // such kernel's CPU has it); F16C is checked here. Slice lengths are as read.
+            Kernel::Avx2 | Kernel::AvxVnni | Kernel::Avx512Vnni if has_f16c() => unsafe {
+                if m == 2 {
+                    x86::dot::<2>(&block, xs, sx, xsum, acc);
+                } else {
+                    x86::dot::<1>(&block, xs, sx, xsum, acc);
+                }
+            },
+            _ => dot_scalar(&block, xs, sx, xsum, m, acc),
+        }
+    }
+
+    /// Writes block b's columns of rows r0..r0+m.
+    #[allow(clippy::too_many_arguments)]
+    fn write(&self, b: usize, r0: usize, m: usize, acc: &[f32], bad: &[bool], out: SendPtr) {
+        let o0 = b * BLOCK;
+        let width = BLOCK.min(self.rows - o0);
+        for i in 0..m {
+            let r = r0 + i;
+            // SAFETY: each call writes only columns [o0, o0 + width) of its rows, a range no
+            // other call writes, inside `out` (checked to be n x rows).
+            let row =
+                unsafe { std::slice::from_raw_parts_mut(out.0.add(r * self.rows + o0), width) };
+            if bad[r] {
+                row.fill(f32::NAN);
+            } else {
+                row.copy_from_slice(&acc[i * BLOCK..i * BLOCK + width]);
+            }
+        }
+    }
+}
+
+impl Product for Q4Matrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn matmul(&self, x: &[f32], out: &mut [f32], kernel: Kernel) -> Result<(), Error> {
+        Q4Matrix::matmul(self, x, out, kernel)
+    }
+}
+
+fn check_shape(rows: usize, cols: usize, len: usize) -> Result<(), Error> {
+    if rows == 0 || cols == 0 {
+        return Err(Error::value(format!(
+            "a 4-bit matrix needs at least one row and one column, got ({rows}, {cols})"
+        )));
+    }
+    if cols > MAX_COLS {
+        return Err(Error::value(format!(
+            "a 4-bit matrix takes at most {MAX_COLS} columns, got {cols}"
+        )));
+    }
+    if rows.checked_mul(cols) != Some(len) {
+        return Err(Error::value(format!(
+            "weight has {len} values, not {rows} x {cols}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_f16c() -> bool {
+    is_x86_feature_detected!("f16c")
+}
+
+/// Per row and group: sx · Σ xq, the group's activation sum (for the m · Σ x term).
+fn group_sums(acts: &Activations, n: usize) -> Vec<f32> {
+    let groups = acts.width / GROUP;
+    let mut sums = vec![0.0f32; n * groups];
+    for (r, row) in acts.q.chunks_exact(acts.width).enumerate() {
+        for (g, xs) in row.chunks_exact(GROUP).enumerate() {
+            let s: i32 = xs.iter().map(|&v| i32::from(v)).sum();
+            sums[r * groups + g] = acts.scales[r * groups + g] * s as f32;
+        }
+    }
+    sums
+}
+
+/// One block of 16 output rows: its packed values and its d and m ([groups][16]).
+struct Block<'a> {
+    w: &'a [u8],
+    d: &'a [f16],
+    m: &'a [f16],
+    width: usize,
+}
+
+fn dot_scalar(blk: &Block<'_>, xs: &[i8], sx: &[f32], xsum: &[f32], m: usize, acc: &mut [f32]) {
+    let groups = blk.width / GROUP;
+    for i in 0..m {
+        let x = &xs[i * blk.width..(i + 1) * blk.width];
+        for lane in 0..BLOCK {
+            let mut total = 0.0f32;
+            for g in 0..groups {
+                let mut s = 0i32;
+                for (k, &xk) in x.iter().enumerate().skip(g * GROUP).take(GROUP) {
+                    let run = k / 4;
+                    let byte = blk.w[(run / 2) * 64 + lane * 4 + k % 4];
+                    let q = (byte >> (4 * (run % 2))) & 15;
+                    s += i32::from(q) * i32::from(xk);
+                }
+                let (d, mn) = (
+                    blk.d[g * BLOCK + lane].to_f32(),
+                    blk.m[g * BLOCK + lane].to_f32(),
+                );
+                total += (s as f32) * (d * sx[i * groups + g]);
+                total += mn * xsum[i * groups + g];
+            }
+            acc[i * BLOCK + lane] = total;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::wildcard_imports)]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::{Block, BLOCK, GROUP};
+
+    /// Eight f16 values at p, as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn eight(p: *const f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+    }
+
+    /// Per group and pair of runs: the 64 packed bytes become 4 ymm of u8 values (two runs ×
+    /// two halves of 8 rows); each feeds one vpmaddubsw per row against the run's 4 activations
+    /// broadcast. The i16 pair sums add up across the group's 4 pairs and widen once per group.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn dot<const R: usize>(
+        blk: &Block<'_>,
+        xs: &[i8],
+        sx: &[f32],
+        xsum: &[f32],
+        acc: &mut [f32],
+    ) {
+        let groups = blk.width / GROUP;
+        let nibble = _mm256_set1_epi8(15);
+        let ones = _mm256_set1_epi16(1);
+        let wp = blk.w.as_ptr();
+        let xp = xs.as_ptr();
+        let mut total = [[_mm256_setzero_ps(); 2]; R];
+        for g in 0..groups {
+            let mut sums = [[_mm256_setzero_si256(); 2]; R];
+            for pair in g * 4..(g + 1) * 4 {
+                let lo = _mm256_loadu_si256(wp.add(pair * 64).cast());
+                let hi = _mm256_loadu_si256(wp.add(pair * 64 + 32).cast());
+                // [run][half]
+                let w = [
+                    [_mm256_and_si256(lo, nibble), _mm256_and_si256(hi, nibble)],
+                    [
+                        _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble),
+                        _mm256_and_si256(_mm256_srli_epi16(hi, 4), nibble),
+                    ],
+                ];
+                for (i, si) in sums.iter_mut().enumerate() {
+                    for (run, wr) in w.iter().enumerate() {
+                        let at = i * blk.width + (2 * pair + run) * 4;
+                        let xv = _mm256_set1_epi32(xp.add(at).cast::<i32>().read_unaligned());
+                        for (sih, wh) in si.iter_mut().zip(wr) {
+                            *sih = _mm256_add_epi16(*sih, _mm256_maddubs_epi16(*wh, xv));
+                        }
+                    }
+                }
+            }
+            let (d, m) = (blk.d.as_ptr().add(g * BLOCK), blk.m.as_ptr().add(g * BLOCK));
+            let d = [eight(d), eight(d.add(8))];
+            let m = [eight(m), eight(m.add(8))];
+            for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                let s = _mm256_set1_ps(sx[i * groups + g]);
+                let xs = _mm256_set1_ps(xsum[i * groups + g]);
+                for h in 0..2 {
+                    let exact = _mm256_cvtepi32_ps(_mm256_madd_epi16(si[h], ones));
+                    let t = _mm256_add_ps(ti[h], _mm256_mul_ps(exact, _mm256_mul_ps(d[h], s)));
+                    ti[h] = _mm256_add_ps(t, _mm256_mul_ps(m[h], xs));
+                }
+            }
+        }
+        for (i, ti) in total.iter().enumerate() {
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK), ti[0]);
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK + 8), ti[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn lcg(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    /// The product from the unpacked parts, in f64 where the integer sums are formed, then in
+    /// the documented f32 order.
+    fn reference(mat: &Q4Matrix, x: &[f32], n: usize) -> Vec<f32> {
+        let (q, d, m) = mat.parts();
+        let (rows, cols) = (mat.rows, mat.cols);
+        let groups = cols.div_ceil(GROUP);
+        let mut out = vec![0.0; n * rows];
+        for r in 0..n {
+            let row = &x[r * cols..(r + 1) * cols];
+            if row.iter().any(|v| !v.is_finite()) {
+                out[r * rows..(r + 1) * rows].fill(f32::NAN);
+                continue;
+            }
+            let mut xq = vec![0i8; cols];
+            let mut scales = vec![];
+            for lo in (0..cols).step_by(GROUP) {
+                let hi = (lo + GROUP).min(cols);
+                scales.push(crate::int8::quantize(&row[lo..hi], &mut xq[lo..hi]));
+            }
+            for o in 0..rows {
+                let mut total = 0.0f32;
+                for (g, &s) in scales.iter().enumerate() {
+                    let ks = g * GROUP..((g + 1) * GROUP).min(cols);
+                    let dot: f64 = ks
+                        .clone()
+                        .map(|k| f64::from(xq[k]) * f64::from(q[o * cols + k]))
+                        .sum();
+                    let sum: f64 = ks.map(|k| f64::from(xq[k])).sum();
+                    let (dg, mg) = (d[o * groups + g].to_f32(), m[o * groups + g].to_f32());
+                    total += (dot as f32) * (dg * s);
+                    total += mg * (s * sum as f32);
+                }
+                out[r * rows + o] = total;
+            }
+        }
+        out
+    }
+
+    fn kernels() -> Vec<Kernel> {
+        [
+            Kernel::Scalar,
+            Kernel::Avx2,
+            Kernel::AvxVnni,
+            Kernel::Avx512Vnni,
+        ]
+        .into_iter()
+        .filter(|k| k.supported())
+        .collect()
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    #[test]
+    fn every_kernel_equals_the_reference_bit_for_bit() {
+        for &(rows, cols, n) in &[
+            (1, 1, 1),
+            (17, 5, 3),
+            (48, 64, 9),
+            (33, 130, 17),
+            (300, 577, 2),
+            (1000, 96, 5), // parallel
+        ] {
+            let m = Q4Matrix::quantize(&lcg(rows as u64, rows * cols), rows, cols).unwrap();
+            let x = lcg(7 + n as u64, n * cols);
+            let want = reference(&m, &x, n);
+            for k in kernels() {
+                let mut out = vec![0.0; n * rows];
+                m.matmul(&x, &mut out, k).unwrap();
+                assert!(
+                    same_bits(&out, &want),
+                    "{k:?} at ({rows}, {cols}) x {n} rows"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_reference_catches_a_kernel_that_drops_the_last_row() {
+        let (rows, cols, n) = (40, 70, 5);
+        let m = Q4Matrix::quantize(&lcg(9, rows * cols), rows, cols).unwrap();
+        let x = lcg(10, n * cols);
+        let mut out = vec![0.0; n * rows];
+        m.matmul(
+            &x[..(n - 1) * cols],
+            &mut out[..(n - 1) * rows],
+            Kernel::best(),
+        )
+        .unwrap();
+        assert!(!same_bits(&out, &reference(&m, &x, n)));
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_other_rows() {
+        let (rows, cols) = (700, 200);
+        let m = Q4Matrix::quantize(&lcg(1, rows * cols), rows, cols).unwrap();
+        let mut x = lcg(2, 9 * cols);
+        x[5 * cols] = 40.0;
+        let mut all = vec![0.0; 9 * rows];
+        m.matmul(&x, &mut all, Kernel::best()).unwrap();
+        for r in 0..9 {
+            let mut one = vec![0.0; rows];
+            m.matmul(&x[r * cols..(r + 1) * cols], &mut one, Kernel::best())
+                .unwrap();
+            assert!(same_bits(&one, &all[r * rows..(r + 1) * rows]), "row {r}");
+        }
+    }
+
+    #[test]
+    fn parts_round_trip_and_stand_for_the_weights() {
+        let (rows, cols) = (20, 70);
+        let w = lcg(3, rows * cols);
+        let m = Q4Matrix::quantize(&w, rows, cols).unwrap();
+        let (q, d, mn) = m.parts();
+        let again = Q4Matrix::from_parts(&q, &d, &mn, rows, cols).unwrap();
+        assert_eq!(again.packed, m.packed);
+        let groups = cols.div_ceil(GROUP);
+        for o in 0..rows {
+            for k in 0..cols {
+                let (dg, mg) = (
+                    d[o * groups + k / GROUP].to_f32(),
+                    mn[o * groups + k / GROUP],
+                );
+                let v = dg * f32::from(q[o * cols + k]) + mg.to_f32();
+                // half a step of 1/15 of the group's range, plus f16 rounding of d and m
+                assert!(
+                    (v - w[o * cols + k]).abs() <= dg * 0.5 + 2e-3,
+                    "{v} vs {}",
+                    w[o * cols + k]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn close_to_the_float_product_of_its_weights() {
+        let (rows, cols, n) = (64, 256, 4);
+        let x = lcg(4, n * cols);
+        let m = Q4Matrix::quantize(&lcg(3, rows * cols), rows, cols).unwrap();
+        let (q, d, mn) = m.parts();
+        let w = |o: usize, k: usize| {
+            let g = o * (cols / GROUP) + k / GROUP;
+            d[g].to_f32() * f32::from(q[o * cols + k]) + mn[g].to_f32()
+        };
+        let mut out = vec![0.0; n * rows];
+        m.matmul(&x, &mut out, Kernel::best()).unwrap();
+        for r in 0..n {
+            for o in 0..rows {
+                let exact: f32 = (0..cols).map(|k| x[r * cols + k] * w(o, k)).sum();
+                let got = out[r * rows + o];
+                assert!((got - exact).abs() < 0.03, "{got} vs {exact}");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_rows_and_bad_input() {
+        let m = Q4Matrix::quantize(&lcg(5, 32 * 8), 32, 8).unwrap();
+        let mut x = lcg(6, 2 * 8);
+        x[9] = f32::NAN;
+        let mut out = vec![0.0; 2 * 32];
+        m.matmul(&x, &mut out, Kernel::best()).unwrap();
+        assert!(out[..32].iter().all(|v| v.is_finite()));
+        assert!(out[32..].iter().all(|v| v.is_nan()));
+        assert!(m.matmul(&x[..7], &mut out, Kernel::best()).is_err());
+        assert!(Q4Matrix::quantize(&[1.0, f32::INFINITY], 1, 2).is_err());
+        assert!(Q4Matrix::quantize(&[], 0, 0).is_err());
+        let d = [f16::ONE];
+        assert!(Q4Matrix::from_parts(&[16, 0], &d, &d, 1, 2).is_err());
+        assert!(Q4Matrix::from_parts(&[1, 0], &d, &[f16::NAN], 1, 2).is_err());
+        assert!(Q4Matrix::from_parts(&[1, 0], &d, &[], 1, 2).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn kernels_agree(rows in 1usize..40, cols in 1usize..100, n in 1usize..12, seed in 0u64..1000) {
+            let m = Q4Matrix::quantize(&lcg(seed, rows * cols), rows, cols).unwrap();
+            let x = lcg(seed + 1, n * cols);
+            let want = reference(&m, &x, n);
+            for k in kernels() {
+                let mut out = vec![0.0; n * rows];
+                m.matmul(&x, &mut out, k).unwrap();
+                prop_assert!(same_bits(&out, &want));
+            }
+        }
+    }
+}

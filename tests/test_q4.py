@@ -1,0 +1,184 @@
+"""4-bit (Q4_1) weights: the kernel against an int64 reference, rows that never depend on each
+other, a GGUF's Q4_1 tensors loaded exactly, and a q4 model whose speculative output equals its
+own plain output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import specfast
+from specfast import Model, ModelConfig
+from specfast._core import Q4Matrix
+from specfast.targets.torch.int8 import dequantize, int8_linear
+
+GROUP = 32  # input features per weight scale and per activation scale
+
+
+def _runs_here(kernel: str) -> bool:
+    try:
+        Q4Matrix(np.ones((1, 4), np.float32)).matmul(
+            np.ones((1, 4), np.float32), np.empty((1, 1), np.float32), kernel
+        )
+    except ValueError:  # this CPU cannot run it
+        return False
+    return True
+
+
+KERNELS = [k for k in ("scalar", "avx2", "avxvnni", "avx512vnni") if _runs_here(k)]
+
+
+def expected(m: Q4Matrix, x: np.ndarray) -> np.ndarray:
+    """The product as the kernel defines it: each row of x quantized symmetric to int8 with one
+    scale sx per group of 32; integer sums in int64; then in float32, group by group,
+    acc += (Σ q·xq) * (d * sx), then acc += m * (sx * Σ xq)."""
+    q, d, mins = m.parts()
+    x = x.astype(np.float32)
+    acc = np.zeros((x.shape[0], m.rows), np.float32)
+    for g, lo in enumerate(range(0, m.cols, GROUP)):
+        xg = x[:, lo : lo + GROUP]
+        sx = np.abs(xg).max(axis=1, keepdims=True).astype(np.float32) / np.float32(127)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            qx = np.where(sx > 0, np.clip(np.round(xg / sx), -127, 127), 0).astype(np.int64)
+        dots = (qx @ q[:, lo : lo + GROUP].astype(np.int64).T).astype(np.float32)  # (n, N)
+        sums = qx.sum(axis=1, keepdims=True).astype(np.float32)  # (n, 1)
+        acc = acc + dots * (d[None, :, g] * sx)
+        acc = acc + mins[None, :, g] * (sx * sums)
+    return acc
+
+
+def check_product(m: Q4Matrix, x: np.ndarray, out: np.ndarray) -> None:
+    np.testing.assert_array_equal(out, expected(m, x))
+    ref = x.astype(np.float64) @ dequantize(m).double().numpy().T
+    assert np.abs(out - ref).max() < 0.05 * (np.abs(ref).max() + 1e-12)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    ("rows", "cols", "n"), [(1, 1, 1), (17, 5, 3), (16, 64, 8), (33, 130, 9), (700, 577, 17)]
+)
+def test_kernel_equals_the_reference(kernel, rows, cols, n):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    w = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
+    x = rng.standard_normal((n, cols), dtype=np.float32)
+    m = Q4Matrix(w)
+    out = np.empty((n, rows), np.float32)
+    m.matmul(x, out, kernel)
+    check_product(m, x, out)
+
+
+def test_a_kernel_that_drops_the_last_row_is_caught():
+    rng = np.random.default_rng(0)
+    m = Q4Matrix(rng.standard_normal((40, 96), dtype=np.float32))
+    x = rng.standard_normal((5, 96), dtype=np.float32)
+    out = np.zeros((5, 40), np.float32)
+    m.matmul(x[:-1], out[:-1])  # the last row never computed
+    with pytest.raises(AssertionError):
+        check_product(m, x, out)
+
+
+def test_rows_do_not_depend_on_each_other():
+    rng = np.random.default_rng(1)
+    m = Q4Matrix(rng.standard_normal((300, 200), dtype=np.float32))
+    x = rng.standard_normal((9, 200), dtype=np.float32)
+    x[4] *= 50  # one loud row: a shared activation scale would change every other row
+    out = np.empty((9, 300), np.float32)
+    m.matmul(x, out)
+    for r in range(9):
+        one = np.empty((1, 300), np.float32)
+        m.matmul(x[r : r + 1], one)
+        np.testing.assert_array_equal(one[0], out[r])
+
+
+def test_a_gguf_q4_1_tensor_loads_exactly():
+    """gguf's own Q4_1 quantizer, dequantized, then quantized again here: the same weights."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((48, 96), dtype=np.float32)
+    kind = GGMLQuantizationType.Q4_1
+    file_w = gguf_dequantize(gguf_quantize(w, kind), kind).astype(np.float32)
+    assert not np.array_equal(file_w, w)
+    np.testing.assert_array_equal(dequantize(Q4Matrix(file_w)).numpy(), file_w)
+    q, d, mins = Q4Matrix(file_w).parts()
+    again = Q4Matrix.from_parts(q, d, mins)
+    np.testing.assert_array_equal(dequantize(again).numpy(), file_w)
+
+
+def test_bad_input_is_a_clear_error():
+    m = Q4Matrix(np.ones((4, 8), np.float32))
+    with pytest.raises(ValueError, match=r"x must be \(n, 8\)"):
+        m.matmul(np.ones((2, 7), np.float32), np.empty((2, 4), np.float32))
+    with pytest.raises(ValueError, match="finite"):
+        Q4Matrix(np.array([[1.0, np.nan]], np.float32))
+    q, d, mins = m.parts()
+    with pytest.raises(ValueError, match=r"0\.\.=15"):
+        Q4Matrix.from_parts(q + 16, d, mins)
+    with pytest.raises(ValueError, match=r"d and m must be \(4, 1\)"):
+        Q4Matrix.from_parts(q, d[:, :0], mins)
+    x = np.ones((2, 8), np.float32)
+    x[1, 3] = np.inf
+    out = np.empty((2, 4), np.float32)
+    m.matmul(x, out)
+    assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()
+    assert torch.equal(int8_linear(torch.ones(3, 8), m)[0], torch.from_numpy(out[0]))
+
+
+# -----------------------------------------------------------------------------
+# models
+
+
+def tiny_model() -> Model:
+    cfg = ModelConfig(
+        vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96
+    )
+    return Model.from_config(cfg, seed=3)
+
+
+def test_a_verify_pass_equals_one_token_passes_bit_for_bit():
+    model = tiny_model().quantize_int8("q4")
+    assert model.weights == "q4" and "q4" in repr(model)
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(0))
+    for pos, T in ((50, 17), (60, 9), (100, 1)):
+        d = model.decoder(256)
+        d.forward(ids[:pos])
+        whole = d.forward(ids[pos : pos + T])
+        d.rollback(pos)
+        rows = torch.cat([d.forward(ids[pos + i : pos + i + 1]) for i in range(T)])
+        assert torch.equal(whole, rows), (pos, T)
+
+
+def test_q4_layers_and_an_int8_head():
+    model = tiny_model().quantize_int8("q4")
+    packed = model.packed_weights()
+    assert all(type(p).__name__ == "Q4Matrix" for layer in packed[:-1] for p in layer)
+    assert type(packed[-1]).__name__ == "Int8Matrix"
+    with pytest.raises(ValueError, match="weights must be one of"):
+        tiny_model().quantize_int8("int4")
+
+
+def test_q4_tiny_speculation_equals_its_own_plain_greedy():
+    model = tiny_model().quantize_int8("q4")
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 1, 2, 3]
+    want = specfast.generate(model, prompt, max_new_tokens=60, drafter=None).token_ids
+    for k in (1, 4, 16, "auto"):
+        out = specfast.generate(model, prompt, max_new_tokens=60, num_speculative_tokens=k)
+        assert out.token_ids == want, k
+
+
+@pytest.mark.smollm
+def test_q4_smollm_speculation_equals_its_own_plain_greedy(smollm_gguf):
+    model = specfast.load_model(smollm_gguf, weights="q4")
+    assert model.weights == "q4" and model.dtype == torch.float32
+    prompts = [
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + ",
+        "Rename the variable x to count:\ndef f(x):\n    y = x + 1\n    return x * y\n",
+    ]
+    for prompt in prompts:
+        want = specfast.generate(model, prompt, max_new_tokens=48, drafter=None).token_ids
+        for k in (1, 4, 16, "auto"):
+            out = specfast.generate(model, prompt, max_new_tokens=48, num_speculative_tokens=k)
+            assert out.token_ids == want, (prompt[:20], k)
