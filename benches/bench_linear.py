@@ -116,9 +116,11 @@ def _fbgemm():
     return build, run
 
 
-def _specfast_int8(kernel):
+def _specfast(matrix, kernel):
+    """specfast's core products: matrix is _core.Int8Matrix or _core.Q4Matrix."""
+
     def build(ws):
-        return [_core.Int8Matrix(w.numpy()) for w in ws]
+        return [matrix(w.numpy()) for w in ws]
 
     def run(mats, x):
         for m, (_, xin) in zip(mats, x, strict=True):
@@ -126,6 +128,9 @@ def _specfast_int8(kernel):
             m.matmul(xin.numpy(), out.numpy(), kernel)
 
     return build, run
+
+
+Q4_BYTES = 0.625  # bytes a weight of Q4_1: (16 + 2 + 2) per 32
 
 
 def candidates(native_bf16: bool) -> dict:
@@ -140,7 +145,9 @@ def candidates(native_bf16: bool) -> dict:
         out["int8 fbgemm (per-tensor x)"] = (_fbgemm(), 1)
     for kernel in ("avx512vnni", "avxvnni", "avx2", "scalar"):
         if kernel == _core.int8_kernel() or (kernel == "avx2" and _core.int8_kernel() != "scalar"):
-            out[f"int8 specfast {kernel}"] = (_specfast_int8(kernel), 1)
+            out[f"int8 specfast {kernel}"] = (_specfast(_core.Int8Matrix, kernel), 1)
+            # Q4_1: 4 bits a weight, and an f16 scale and minimum per 32
+            out[f"q4 specfast {kernel}"] = (_specfast(_core.Q4Matrix, kernel), Q4_BYTES)
             if kernel != _core.int8_kernel():
                 break
     return out
@@ -170,7 +177,7 @@ def bench(shapes: str, rows=ROWS, repeats: int = 5, only: list[str] | None = Non
         "bound_ms": {},
         "kernels": {},
     }
-    for bytes_per, label in ((4, "float32"), (2, "bfloat16"), (1, "int8")):
+    for bytes_per, label in ((4, "float32"), (2, "bfloat16"), (1, "int8"), (Q4_BYTES, "q4")):
         result["bound_ms"][label] = n_weights * bytes_per / bw / 1e9 * 1e3
     result["fma_bound_ms"] = {str(n): n * n_weights / fma * 1e3 for n in rows}
     chosen = {
@@ -208,7 +215,7 @@ def bench(shapes: str, rows=ROWS, repeats: int = 5, only: list[str] | None = Non
 
 
 def _label(bytes_per: int) -> str:
-    return {4: "float32", 2: "bfloat16", 1: "int8"}[bytes_per]
+    return {4: "float32", 2: "bfloat16", 1: "int8", Q4_BYTES: "q4"}[bytes_per]
 
 
 def _row(name, times, rows, bound) -> str:
@@ -252,7 +259,8 @@ def main() -> None:
     print(
         f"read {r['read_gb_s']:.1f} GB/s, FMA {r['fma_per_s'] / 1e9:.0f} G/s; "
         f"{r['weights'] / 1e6:.0f}M weights: bound float32 {r['bound_ms']['float32']:.1f} ms, bf16 "
-        f"{r['bound_ms']['bfloat16']:.1f}, int8 {r['bound_ms']['int8']:.1f}; FMA bound "
+        f"{r['bound_ms']['bfloat16']:.1f}, int8 {r['bound_ms']['int8']:.1f}, "
+        f"q4 {r['bound_ms']['q4']:.1f}; FMA bound "
         + ", ".join(f"{n} rows {t:.1f}" for n, t in r["fma_bound_ms"].items())
     )
     if a.json:

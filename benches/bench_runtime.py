@@ -10,7 +10,7 @@ too, so a slow compile or an out-of-memory loses only its own row.
 
     python benches/bench_runtime.py                          # SmolLM2 from its GGUF, auto dtype
     python benches/bench_runtime.py --dtype float32 bfloat16 --compile
-    python benches/bench_runtime.py --weights float int8 --ns 1 2 4 8 9 16  # int8 on CPU
+    python benches/bench_runtime.py --weights float int8 q4 --ns 1 2 4 8 9 16  # CPU int8, q4
     python benches/bench_runtime.py --device cuda --shapes smollm2-135m qwen2.5-1.5b \\
         --steps eager compiled --jsonl rows.jsonl            # random weights of real shapes
 
@@ -182,12 +182,13 @@ class Rows:
 
 def measure(rows: Rows, shape, dtype_name, step, device, ns, repeats, weights="float") -> None:
     """Every bucket of one (model, dtype, step, weights), a row each; any failure becomes a
-    row. int8 weights run with float32 activations, whatever `dtype_name` says."""
+    row. int8 and q4 weights run with float32 activations, whatever `dtype_name` says."""
     from torch._dynamo.utils import counters
 
     import specfast
 
-    dtype = torch.float32 if weights == "int8" else resolve_dtype(dtype_name, device)
+    quantized = weights in ("int8", "q4")  # float32 activations
+    dtype = torch.float32 if quantized else resolve_dtype(dtype_name, device)
     name = str(dtype).removeprefix("torch.")
     base = {"model": shape, "dtype": name, "weights": weights, "step": step, "device": str(device)}
     model = dec = None
@@ -200,8 +201,8 @@ def measure(rows: Rows, shape, dtype_name, step, device, ns, repeats, weights="f
             model = specfast.load_model(device=device, dtype=dtype, compile="off", weights=weights)
         else:
             model = random_model(shape, device, dtype)
-            if weights == "int8":
-                model.quantize_int8()
+            if quantized:
+                model.quantize_int8(weights)
         model.compile_steps(step == "compiled")
         bw = copy_bandwidth(device)  # with the weights in memory, as a pass runs
         wb = weight_bytes(model)
@@ -247,7 +248,7 @@ def main(argv=None) -> dict:
     p.add_argument("--compile", action="store_true", help="same as --steps eager compiled")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--ns", type=int, nargs="+", default=list(NS), help="tokens per pass")
-    p.add_argument("--weights", nargs="+", choices=("float", "int8"), default=["float"])
+    p.add_argument("--weights", nargs="+", choices=("float", "int8", "q4"), default=["float"])
     p.add_argument("--json", help="write every row here at the end")
     p.add_argument("--jsonl", help="append each row here, as one JSON line, once measured")
     args = p.parse_args(argv)

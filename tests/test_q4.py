@@ -182,3 +182,29 @@ def test_q4_smollm_speculation_equals_its_own_plain_greedy(smollm_gguf):
         for k in (1, 4, 16, "auto"):
             out = specfast.generate(model, prompt, max_new_tokens=48, num_speculative_tokens=k)
             assert out.token_ids == want, (prompt[:20], k)
+
+
+def test_auto_times_q4_only_where_the_file_is_4bit(tmp_path, monkeypatch):
+    import specfast.targets.torch.int8 as int8_module
+
+    monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path))
+    monkeypatch.setattr(int8_module, "AUTO_MIN_WEIGHTS", 0)
+    loaded = []
+
+    def load(kind):
+        loaded.append(kind)
+        return tiny_model().quantize_int8(kind)
+
+    _, entry = int8_module.auto_weights(tiny_model(), load)
+    assert loaded == ["int8"] and "q4_ms" not in entry
+    model, entry = int8_module.auto_weights(tiny_model(), load, ("int8", "q4"))
+    assert loaded == ["int8", "int8", "q4"] and {"float_ms", "int8_ms", "q4_ms"} <= set(entry)
+    assert model.weights == entry["weights"]
+    again, hit = int8_module.auto_weights(tiny_model(), load, ("int8", "q4"))  # from the cache
+    assert hit == entry and again.weights == entry["weights"]
+
+
+@pytest.mark.smollm
+def test_the_smollm_gguf_is_4bit_and_a_float_model_is_not(smollm_gguf):
+    assert specfast.load_model(smollm_gguf, weights="float").file_is_4bit
+    assert not tiny_model().file_is_4bit

@@ -65,7 +65,8 @@ def load_model(
         return _load(path, device, dtype, weights)
     model = _load(path, device, resolve_dtype(dtype, device), "float")
     if try_int8:
-        model, _ = auto_weights(model, lambda: _load(path, device, None, "int8"))
+        kinds = ("int8", "q4") if model.file_is_4bit else ("int8",)
+        model, _ = auto_weights(model, lambda kind: _load(path, device, None, kind), kinds)
         if model.int8:
             return model
     return model.compile_steps() if compiled else model

@@ -13,6 +13,10 @@ from specfast.formats.common import SUPPORTED_ARCHS, build_model, int_list
 from specfast.targets.llama_cpp.state import llama_state
 from specfast.targets.torch.model import Model, ModelConfig
 
+# ggml's 4-bit types: each group of 32 weights is 16 levels on an affine scale, which a Q4_1
+# group of the q4 weights holds (exactly for Q4_0 and Q4_1).
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
+
 
 def _gguf_reader(path: Path):
     from gguf import GGUFReader
@@ -143,6 +147,11 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
         )
         weights[f"layers.{i}.w_down.weight"] = get(b + "ffn_down.weight")
     model = build_model(config, weights, path)
+    model.file_is_4bit = all(
+        tensors[f"blk.{i}.{name}.weight"].tensor_type.name in FOUR_BIT_TYPES
+        for i in range(config.n_layers)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    )
 
     model.tokenizer = tokenizer_from_gguf(reader, path) if tokens else None
     model.chat_template = _field(reader, "tokenizer.chat_template")

@@ -6,8 +6,9 @@ activation row is quantized with its own scales at every call. So a row's logits
 the other rows of a pass: a verify pass over k+1 tokens gives exactly what k+1 one-token passes
 give, which keeps a quantized model's speculative output equal to its own plain output.
 
-`load_model(weights="auto")` picks int8 where a timed decode step says it is faster than the
-float weights at the dtype "auto" chose. The choice is kept per CPU and model shape in
+`load_model(weights="auto")` picks int8, or q4 where the file's layer matrices are 4-bit already
+(so auto never stores fewer bits than the file), where a timed decode step says it is faster than
+the float weights at the dtype "auto" chose. The choice is kept per CPU and model shape in
 `~/.cache/specfast/weights.json` (`SPECFAST_CACHE` moves it), so it is timed once.
 """
 
@@ -31,7 +32,7 @@ WEIGHTS_CHOICES = ("auto", "float", "int8", "q4")
 # The weight kinds the core runs, with int8 activations.
 QUANTIZED = ("int8", "q4")
 # Part of the cache key of "auto"'s timings: bump it when the int8 path's speed changes.
-KERNEL_VERSION = 2
+KERNEL_VERSION = 3
 # Passes of up to this many tokens run torch's own ops on one thread: the core splits its
 # products with its own helper thread (rust/helper.rs), and torch's OpenMP workers spinning
 # between ops beside it made a SmolLM2 decode step 300+ ms instead of 20 (2 cores).
@@ -100,12 +101,12 @@ def _cache_path() -> Path:
     return Path(root) / "weights.json"
 
 
-def _key(model, dtype: torch.dtype) -> str:
+def _key(model, dtype: torch.dtype, kinds: tuple[str, ...]) -> str:
     c = model.config
     shape = (c.dim, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size)
     flags = " ".join(sorted(proc_cpu_flags() or ()))
     raw = f"{KERNEL_VERSION}|{flags}|{torch.__version__}|{int8_kernel()}|"
-    raw += f"{torch.get_num_threads()}|{dtype}|{shape}"
+    raw += f"{torch.get_num_threads()}|{dtype}|{shape}|{kinds}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -122,14 +123,16 @@ def _step_seconds(model, steps: int = 6) -> float:
     return best
 
 
-def auto_weights(model, load_int8: Callable[[], Any]) -> tuple[Any, dict]:
-    """The faster of `model` (float weights, at its dtype) and `load_int8()` on this CPU, and
-    the timings behind the choice. Timed once per CPU and model shape, then read from the
-    cache."""
+def auto_weights(
+    model, load: Callable[[str], Any], kinds: tuple[str, ...] = ("int8",)
+) -> tuple[Any, dict]:
+    """The fastest of `model` (float weights, at its dtype) and `load(kind)` for each kind in
+    `kinds` on this CPU, and the timings behind the choice. Timed once per CPU, model shape and
+    kinds, then read from the cache."""
     if sum(p.numel() for p in model.parameters()) < AUTO_MIN_WEIGHTS:
         return model, {"weights": "float", "reason": f"under {AUTO_MIN_WEIGHTS} weights"}
     path = _cache_path()
-    key = _key(model, model.dtype)
+    key = _key(model, model.dtype, kinds)
     try:
         cache = json.loads(path.read_text())
         if not isinstance(cache, dict):
@@ -137,19 +140,17 @@ def auto_weights(model, load_int8: Callable[[], Any]) -> tuple[Any, dict]:
     except (OSError, ValueError):
         cache = {}
     hit = cache.get(key)
-    if isinstance(hit, dict) and hit.get("weights") in ("int8", "float"):
-        return (load_int8() if hit["weights"] == "int8" else model), hit
+    if isinstance(hit, dict) and hit.get("weights") in ("float", *kinds):
+        return (model if hit["weights"] == "float" else load(hit["weights"])), hit
+    models = {"float": model}
+    entry: dict[str, Any] = {"float_dtype": str(model.dtype)}
     with torch.inference_mode():
-        t_float = _step_seconds(model)
-        int8_model = load_int8()
-        t_int8 = _step_seconds(int8_model)
-    choice = "int8" if t_int8 < t_float else "float"
-    entry = {
-        "weights": choice,
-        "float_ms": t_float * 1e3,
-        "int8_ms": t_int8 * 1e3,
-        "float_dtype": str(model.dtype),
-    }
+        entry["float_ms"] = _step_seconds(model) * 1e3
+        for kind in kinds:
+            models[kind] = load(kind)
+            entry[f"{kind}_ms"] = _step_seconds(models[kind]) * 1e3
+    choice = min(models, key=lambda kind: entry[f"{kind}_ms"])
+    entry = {"weights": choice, **entry}
     cache[key] = entry
     try:  # best effort: an unwritable cache only means timing again next time
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,4 +159,4 @@ def auto_weights(model, load_int8: Callable[[], Any]) -> tuple[Any, dict]:
         tmp.replace(path)
     except OSError:
         pass
-    return (int8_model if choice == "int8" else model), entry
+    return models[choice], entry

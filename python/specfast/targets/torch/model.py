@@ -255,6 +255,8 @@ class Model(nn.Module):
         # weight_kind says which weights: "int8" or "q4".
         self.int8 = False
         self.weight_kind = "float"
+        # The file's layer matrices were 4-bit (a Q4 GGUF): weights="auto" may pick q4.
+        self.file_is_4bit = False
         self.compiled_step = None  # torch.compile'd forward_static (steps.compile_step)
 
     def extra_repr(self) -> str:
