@@ -372,6 +372,7 @@ mod x86 {
         for g in 0..groups {
             let mut sums = [[_mm256_setzero_si256(); 2]; R];
             for pair in g * 4..(g + 1) * 4 {
+                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast()); // as int8's
                 let lo = _mm256_loadu_si256(wp.add(pair * 64).cast());
                 let hi = _mm256_loadu_si256(wp.add(pair * 64 + 32).cast());
                 // [run][half]
