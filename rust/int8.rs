@@ -622,11 +622,12 @@ mod x86 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn lcg(seed: u64, n: usize) -> Vec<f32> {
+    /// Reproducible values in [-0.5, 0.5).
+    pub(crate) fn lcg(seed: u64, n: usize) -> Vec<f32> {
         let mut s = seed;
         (0..n)
             .map(|_| {
@@ -663,7 +664,8 @@ mod tests {
         out
     }
 
-    fn kernels() -> Vec<Kernel> {
+    /// The kernels this CPU runs.
+    pub(crate) fn kernels() -> Vec<Kernel> {
         [
             Kernel::Scalar,
             Kernel::Avx2,

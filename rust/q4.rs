@@ -416,17 +416,8 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::int8::tests::{kernels, lcg};
     use proptest::prelude::*;
-
-    fn lcg(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
 
     /// The product from the unpacked parts, in f64 where the integer sums are formed, then in
     /// the documented f32 order.
@@ -464,18 +455,6 @@ mod tests {
             }
         }
         out
-    }
-
-    fn kernels() -> Vec<Kernel> {
-        [
-            Kernel::Scalar,
-            Kernel::Avx2,
-            Kernel::AvxVnni,
-            Kernel::Avx512Vnni,
-        ]
-        .into_iter()
-        .filter(|k| k.supported())
-        .collect()
     }
 
     fn same_bits(a: &[f32], b: &[f32]) -> bool {

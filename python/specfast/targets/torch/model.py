@@ -251,10 +251,7 @@ class Model(nn.Module):
         self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
         self._int8_args: tuple = (None, [])  # see _int8_layer_weights
         self.prepack = True
-        # True once the matrices run in the core with int8 activations (quantize_int8);
-        # weight_kind says which weights: "int8" or "q4".
-        self.int8 = False
-        self.weight_kind = "float"
+        self.weight_kind = "float"  # "int8" or "q4" after quantize_int8
         # The file's layer matrices were 4-bit (a Q4 GGUF): weights="auto" may pick q4.
         self.file_is_4bit = False
         self.compiled_step = None  # torch.compile'd forward_static (steps.compile_step)
@@ -268,6 +265,11 @@ class Model(nn.Module):
     def weights(self) -> str:
         """'int8' or 'q4' after quantize_int8(), else 'float'."""
         return self.weight_kind
+
+    @property
+    def int8(self) -> bool:
+        """True once the matrices run in the core with int8 activations (int8 or q4 weights)."""
+        return self.weight_kind != "float"
 
     def compile_steps(
         self, enabled: bool = True, mode: str | None = None, backend: str = "inductor"
@@ -472,7 +474,6 @@ class Model(nn.Module):
         if self.compiled_step is not None:
             raise ValueError("int8 weights run eagerly on CPU; call compile_steps(False) first")
         self.unpack()
-        self.int8 = True
         self.weight_kind = weights
         return self
 
