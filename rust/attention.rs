@@ -170,6 +170,8 @@ fn check(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], d: &Dims) -> Result<(
 /// Sixteen f32 lanes. Each build implements the same operations, each exactly rounded, so the
 /// loops below give the same bits through any of them.
 trait Lanes: Copy {
+    /// The build has 32 vector registers (AVX-512), not 16: room for twice the accumulators.
+    const WIDE: bool;
     unsafe fn zero() -> Self;
     unsafe fn splat(x: f32) -> Self;
     /// The 16 values at `p`.
@@ -230,6 +232,7 @@ const EXP_POLY: [f32; 6] = [
 struct Portable([f32; LANES]);
 
 impl Lanes for Portable {
+    const WIDE: bool = true;
     unsafe fn zero() -> Self {
         Portable([0.0; LANES])
     }
@@ -283,6 +286,7 @@ mod x86 {
     pub(super) struct Avx512(__m512);
 
     impl Lanes for Avx512 {
+        const WIDE: bool = true;
         #[inline(always)]
         unsafe fn zero() -> Self {
             Avx512(_mm512_setzero_ps())
@@ -367,6 +371,8 @@ mod x86 {
     pub(super) struct Avx2(pub(super) [__m256; 2]);
 
     impl Lanes for Avx2 {
+        // 16 ymm: four lane-groups' 16 accumulators would spill
+        const WIDE: bool = false;
         #[inline(always)]
         unsafe fn zero() -> Self {
             Avx2([_mm256_setzero_ps(); 2])
@@ -684,14 +690,21 @@ unsafe fn softmax_weights<V: Lanes>(padded: &mut [f32], keys: usize) -> Option<f
 
 /// acc[..hd] = Σ_j p_j v_j, for `acc` of hd rounded up to whole lanes. Per lane, even keys are
 /// summed in one chain of multiply-adds and odd keys in another, then the two are added; four
-/// lane-groups go at once, so that eight chains are in flight.
+/// lane-groups go at once (two on 16-register builds), so that eight chains are in flight. How
+/// many go at once does not change a lane's sums.
 #[inline(always)]
 unsafe fn weighted_sum<V: Lanes>(p: &[f32], vh: &[f32], hd: usize, acc: &mut [f32]) {
     let chunks = acc.len() / LANES;
     let mut c = 0;
-    while c + 4 <= chunks {
-        lane_groups::<V, 4>(p, vh, hd, c, acc);
-        c += 4;
+    if V::WIDE {
+        while c + 4 <= chunks {
+            lane_groups::<V, 4>(p, vh, hd, c, acc);
+            c += 4;
+        }
+    }
+    while c + 2 <= chunks {
+        lane_groups::<V, 2>(p, vh, hd, c, acc);
+        c += 2;
     }
     while c < chunks {
         lane_groups::<V, 1>(p, vh, hd, c, acc);
@@ -712,9 +725,61 @@ unsafe fn head_lanes<V: Lanes>(vh: &[f32], hd: usize, j: usize, c: usize) -> V {
     }
 }
 
+/// Lane-groups c0..c0+G of `weighted_sum`. A head of whole lanes takes the loop without
+/// tails: with the tail test inside it, LLVM kept the 16 accumulators on the stack.
+#[inline(always)]
+unsafe fn lane_groups<V: Lanes, const G: usize>(
+    p: &[f32],
+    vh: &[f32],
+    hd: usize,
+    c0: usize,
+    acc: &mut [f32],
+) {
+    if hd.is_multiple_of(LANES) {
+        lane_groups_whole::<V, G>(p, vh, hd, c0, acc);
+    } else {
+        lane_groups_tail::<V, G>(p, vh, hd, c0, acc);
+    }
+}
+
+/// `lane_groups` where hd is whole lanes: the same multiply-adds in the same order.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // even[g], odd[g] and chunk c0 + g together
-unsafe fn lane_groups<V: Lanes, const G: usize>(
+unsafe fn lane_groups_whole<V: Lanes, const G: usize>(
+    p: &[f32],
+    vh: &[f32],
+    hd: usize,
+    c0: usize,
+    acc: &mut [f32],
+) {
+    debug_assert!(vh.len() >= p.len() * hd && (c0 + G) * LANES <= hd);
+    let (pp, vp) = (p.as_ptr(), vh.as_ptr().add(c0 * LANES));
+    let mut even = [V::zero(); G];
+    let mut odd = [V::zero(); G];
+    let mut j = 0;
+    while j + 2 <= p.len() {
+        let (p0, p1) = (V::splat(*pp.add(j)), V::splat(*pp.add(j + 1)));
+        let (r0, r1) = (vp.add(j * hd), vp.add((j + 1) * hd));
+        for g in 0..G {
+            even[g] = V::fma(p0, V::load(r0.add(g * LANES)), even[g]);
+            odd[g] = V::fma(p1, V::load(r1.add(g * LANES)), odd[g]);
+        }
+        j += 2;
+    }
+    if j < p.len() {
+        let (p0, r0) = (V::splat(*pp.add(j)), vp.add(j * hd));
+        for g in 0..G {
+            even[g] = V::fma(p0, V::load(r0.add(g * LANES)), even[g]);
+        }
+    }
+    for g in 0..G {
+        V::add(even[g], odd[g]).store(acc.as_mut_ptr().add((c0 + g) * LANES));
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // even[g], odd[g] and chunk c0 + g together
+unsafe fn lane_groups_tail<V: Lanes, const G: usize>(
     p: &[f32],
     vh: &[f32],
     hd: usize,
