@@ -567,10 +567,167 @@ unsafe fn silu_mul_step<V: Lanes>(g: V, u: V) -> V {
 }
 
 /// Items `first..` (item = head * T + row) into `out`, which holds as many items as it fits.
-/// The head size is a multiple of [`LANES`] (`attend_with` sends other sizes to the portable
-/// build, whose loops take any size).
+/// A head of whole lanes goes a bundle at a time (`bundle`); other sizes, which only the
+/// portable build gets (`attend_with`), one item at a time.
 #[inline(always)]
 unsafe fn items<V: Lanes>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    d: &Dims,
+    first: usize,
+) {
+    let hd = d.head_dim;
+    if !hd.is_multiple_of(LANES) {
+        items_one_by_one::<V>(q, k, v, out, d, first);
+        return;
+    }
+    let group = d.heads / d.kv_heads;
+    let kv_of = |item: usize| (item / d.rows) / group;
+    // At most this many scores at once, whatever the context: 1 MiB.
+    let most = (BUNDLE_SCORES / (d.pos + d.rows).next_multiple_of(LANES)).clamp(1, BUNDLE);
+    let n_out = out.len() / hd;
+    let mut n = 0;
+    while n < n_out {
+        let kv = kv_of(first + n);
+        let mut m = 1;
+        while n + m < n_out && m < most && kv_of(first + n + m) == kv {
+            m += 1;
+        }
+        bundle::<V>(q, k, v, &mut out[n * hd..(n + m) * hd], d, first + n);
+        n += m;
+    }
+}
+
+/// Items a bundle holds at most: they share a kv head, and read its keys and values a tile at
+/// a time, so a tile read once from L2 serves all of them from L1.
+const BUNDLE: usize = 32;
+const BUNDLE_SCORES: usize = 1 << 18;
+/// Keys a tile holds: 64 keys of a 64-wide head are 16 KiB, half of an L1. Even, so that a
+/// tile starts every item's even chain on an even key (`accumulate`).
+const TILE_KEYS: usize = 64;
+
+/// The items of `out` (consecutive, from `first`, one kv head), each exactly as
+/// `items_one_by_one` computes it: the same scores, softmax and chains of multiply-adds, in the
+/// same order per item; only which item goes next changes.
+#[inline(always)]
+unsafe fn bundle<V: Lanes>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    d: &Dims,
+    first: usize,
+) {
+    let hd = d.head_dim;
+    let m = out.len() / hd;
+    let group = d.heads / d.kv_heads;
+    let head_len = d.capacity * hd;
+    let kv = (first / d.rows) / group;
+    let (kh, vh) = (&k[kv * head_len..], &v[kv * head_len..]);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let keys = |i: usize| d.pos + (first + i) % d.rows + 1;
+    let most = (0..m).map(keys).max().unwrap_or(0);
+    let width = (d.pos + d.rows).next_multiple_of(LANES);
+    let mut scores = vec![0.0f32; m * width];
+    for j0 in (0..most).step_by(TILE_KEYS) {
+        for (i, row) in scores.chunks_exact_mut(width).enumerate() {
+            let end = keys(i).min(j0 + TILE_KEYS);
+            if j0 < end {
+                let qrow = &q[(first + i) * hd..(first + i + 1) * hd];
+                dots::<V>(qrow, &kh[j0 * hd..end * hd], scale, &mut row[j0..end]);
+            }
+        }
+    }
+    let mut totals = vec![None; m];
+    for (i, (row, total)) in scores.chunks_exact_mut(width).zip(&mut totals).enumerate() {
+        let n = keys(i);
+        *total = softmax_weights::<V>(&mut row[..n.next_multiple_of(LANES)], n);
+    }
+    // Per item and lane-group: its even chain, then its odd one (hd / LANES groups each).
+    let chunks = hd / LANES;
+    let mut chains = vec![0.0f32; m * 2 * hd];
+    for j0 in (0..most).step_by(TILE_KEYS) {
+        for (i, row) in scores.chunks_exact(width).enumerate() {
+            let end = keys(i).min(j0 + TILE_KEYS);
+            if j0 < end && totals[i].is_some() {
+                let state = &mut chains[i * 2 * hd..(i + 1) * 2 * hd];
+                accumulate::<V>(&row[j0..end], &vh[j0 * hd..end * hd], hd, chunks, state);
+            }
+        }
+    }
+    for (i, o) in out.chunks_exact_mut(hd).enumerate() {
+        let Some(total) = totals[i] else {
+            o.fill(f32::NAN);
+            continue;
+        };
+        let (even, odd) = chains[i * 2 * hd..(i + 1) * 2 * hd].split_at(hd);
+        for ((y, &e), &od) in o.iter_mut().zip(even).zip(odd) {
+            *y = (e + od) / total;
+        }
+    }
+}
+
+/// Continues an item's even and odd chains (`state`: even then odd, hd each) over one tile of
+/// keys (`p` their weights, `vt` their values), as `lane_groups_whole` runs them over all keys:
+/// even keys into the even chain, odd ones into the odd one, a last unpaired key into the even
+/// one. The tile starts on an even key.
+#[inline(always)]
+unsafe fn accumulate<V: Lanes>(p: &[f32], vt: &[f32], hd: usize, chunks: usize, state: &mut [f32]) {
+    debug_assert!(vt.len() >= p.len() * hd && state.len() == 2 * hd);
+    let mut c0 = 0;
+    while c0 + 2 <= chunks {
+        accumulate_groups::<V, 2>(p, vt, hd, c0, state);
+        c0 += 2;
+    }
+    if c0 < chunks {
+        accumulate_groups::<V, 1>(p, vt, hd, c0, state);
+    }
+}
+
+/// `accumulate` for lane-groups c0..c0+G.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // even[g], odd[g] and chunk c0 + g together
+unsafe fn accumulate_groups<V: Lanes, const G: usize>(
+    p: &[f32],
+    vt: &[f32],
+    hd: usize,
+    c0: usize,
+    state: &mut [f32],
+) {
+    let (pp, sp, vp) = (p.as_ptr(), state.as_mut_ptr(), vt.as_ptr().add(c0 * LANES));
+    let mut even = [V::zero(); G];
+    let mut odd = [V::zero(); G];
+    for g in 0..G {
+        even[g] = V::load(sp.add((c0 + g) * LANES));
+        odd[g] = V::load(sp.add(hd + (c0 + g) * LANES));
+    }
+    let mut j = 0;
+    while j + 2 <= p.len() {
+        let (p0, p1) = (V::splat(*pp.add(j)), V::splat(*pp.add(j + 1)));
+        let (r0, r1) = (vp.add(j * hd), vp.add((j + 1) * hd));
+        for g in 0..G {
+            even[g] = V::fma(p0, V::load(r0.add(g * LANES)), even[g]);
+            odd[g] = V::fma(p1, V::load(r1.add(g * LANES)), odd[g]);
+        }
+        j += 2;
+    }
+    if j < p.len() {
+        let (p0, r0) = (V::splat(*pp.add(j)), vp.add(j * hd));
+        for g in 0..G {
+            even[g] = V::fma(p0, V::load(r0.add(g * LANES)), even[g]);
+        }
+    }
+    for g in 0..G {
+        even[g].store(sp.add((c0 + g) * LANES));
+        odd[g].store(sp.add(hd + (c0 + g) * LANES));
+    }
+}
+
+/// `items` one item at a time: its scores over all keys, softmax, then the weighted sum.
+#[inline(always)]
+unsafe fn items_one_by_one<V: Lanes>(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -936,6 +1093,29 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Bundles (items sharing a kv head, keys a tile at a time) give each item the bits it gets
+    /// alone: several tiles, odd and even key counts, a bundle cut at its size limit.
+    #[test]
+    fn bundles_give_the_bits_of_one_item_at_a_time() {
+        let d = Dims {
+            rows: 12,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            capacity: 170,
+            pos: 150,
+        };
+        let (q, k, v) = case(&d, 5);
+        let mut alone = vec![0.0f32; q.len()];
+        // SAFETY: the portable build needs no CPU feature.
+        unsafe { items_one_by_one::<Portable>(&q, &k, &v, &mut alone, &d, 0) };
+        assert_eq!(run(&q, &k, &v, &d, Path::best()), alone);
+        let mut bundled = vec![0.0f32; q.len()];
+        // SAFETY: as above.
+        unsafe { items::<Portable>(&q, &k, &v, &mut bundled, &d, 0) };
+        assert_eq!(bundled, alone);
     }
 
     /// Negative control for the test above: a row that also sees the next row's key differs.
