@@ -15,8 +15,6 @@
 // their intrinsics run as calls: `inline(always)` is the point.
 #![allow(clippy::inline_always)]
 
-use std::sync::Mutex;
-
 use crate::error::{Error, Result};
 
 /// Independent accumulators per sum (one AVX-512 register, two AVX2 ones).
@@ -122,19 +120,41 @@ pub fn attend_with(
         run(0, out);
         return Ok(());
     }
-    // Two halves of the (head, row) items at once: this thread and the helper (helper.rs).
-    // Each item writes its own hd values, so the split cannot change them.
-    let mid = n_items / 2;
-    let (a, b) = out.split_at_mut(mid * d.head_dim);
-    let (a, b) = (Mutex::new(a), Mutex::new(b));
-    let half = |first: usize, part: &Mutex<&mut [f32]>| {
-        let mut part = part
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        run(first, &mut part);
-    };
-    crate::helper::join(|| half(0, &a), || half(mid, &b));
+    // This thread and the helper (helper.rs) take pieces of the (head, row) items in turn.
+    // Each item writes its own hd values, so the split cannot change them. A piece lies within
+    // one kv head, so that its items share the head's keys and values (`bundle`).
+    let per_kv = n_items / d.kv_heads;
+    let per = per_kv.div_ceil(per_kv.div_ceil(n_items.div_ceil(UNITS)));
+    let pieces = per_kv.div_ceil(per);
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    crate::helper::for_each(d.kv_heads * pieces, |u| {
+        let (kv, piece) = (u / pieces, u % pieces);
+        let first = kv * per_kv + piece * per;
+        let n = per.min(per_kv - piece * per);
+        // SAFETY: pieces cover disjoint item ranges of `out`, which holds every item.
+        let part = unsafe {
+            std::slice::from_raw_parts_mut(out_ptr.at(first * d.head_dim), n * d.head_dim)
+        };
+        run(first, part);
+    });
     Ok(())
+}
+
+/// Pieces of a pass's items the two threads take in turn: enough that neither waits long for
+/// the other.
+const UNITS: usize = 4;
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: written only through disjoint ranges (see `attend_with`).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// (A method, so that closures capture the Sync wrapper, not its raw pointer field.)
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
 }
 
 fn check(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], d: &Dims) -> Result<()> {

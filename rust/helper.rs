@@ -14,7 +14,7 @@
 
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
@@ -109,6 +109,21 @@ fn serve(h: &Helper) {
     }
 }
 
+/// Runs `f(0)`, ..., `f(units - 1)` on this thread and the helper, each taking the next unit
+/// as it finishes one, and returns when all are done. A split into fixed halves waits for the
+/// slower half; on a shared machine either thread can be the slow one.
+pub fn for_each(units: usize, f: impl Fn(usize) + Sync) {
+    let next = AtomicUsize::new(0);
+    let work = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= units {
+            break;
+        }
+        f(i);
+    };
+    join(work, work);
+}
+
 /// Runs `a` on this thread and `b` on the helper at once, and returns when both are done.
 /// Without a helper (one CPU, or another caller using it) both run here, `a` then `b`.
 pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
@@ -163,7 +178,6 @@ pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
 
     #[test]
     fn both_halves_run_every_time() {
@@ -179,6 +193,20 @@ mod tests {
             );
         }
         assert_eq!(n.load(Ordering::Relaxed), 10_000 * 1_000_001);
+    }
+
+    #[test]
+    fn for_each_runs_every_unit_once() {
+        for units in [0, 1, 2, 7, 100] {
+            let seen: Vec<AtomicUsize> = (0..units).map(|_| AtomicUsize::new(0)).collect();
+            for_each(units, |i| {
+                seen[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                seen.iter().all(|s| s.load(Ordering::Relaxed) == 1),
+                "{units} units"
+            );
+        }
     }
 
     #[test]

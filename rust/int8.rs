@@ -29,6 +29,8 @@ const PAIR: usize = 2;
 pub const MAX_COLS: usize = 1 << 20;
 /// Matrices smaller than this many weights run on one thread (a split costs more than it saves).
 pub(crate) const PARALLEL_MIN: usize = 1 << 15;
+/// Pieces a product is cut into for the two threads to take in turn (`helper::for_each`).
+pub(crate) const UNITS: usize = 16;
 
 /// A weight matrix that multiplies float32 activation rows, each row computed on its own: the
 /// int8 one here and the 4-bit one in [`crate::q4`].
@@ -253,9 +255,11 @@ impl Int8Matrix {
         if self.rows * self.cols < PARALLEL_MIN || blocks < 2 * PAIR {
             run(0..blocks);
         } else {
-            // Two halves at once: this thread and the helper (see helper.rs).
-            let mid = (blocks / 2).next_multiple_of(PAIR);
-            crate::helper::join(|| run(0..mid), || run(mid..blocks));
+            // This thread and the helper (see helper.rs), a few pairs of blocks at a time.
+            let per = blocks.div_ceil(UNITS).next_multiple_of(PAIR);
+            crate::helper::for_each(blocks.div_ceil(per), |u| {
+                run(u * per..((u + 1) * per).min(blocks));
+            });
         }
         Ok(())
     }

@@ -31,7 +31,9 @@
 use half::f16;
 
 use crate::error::Error;
-use crate::int8::{check_product, Activations, Kernel, Product, SendPtr, GROUP, PARALLEL_MIN};
+use crate::int8::{
+    check_product, Activations, Kernel, Product, SendPtr, GROUP, PARALLEL_MIN, UNITS,
+};
 
 /// Output rows per packed block.
 const BLOCK: usize = 16;
@@ -197,9 +199,11 @@ impl Q4Matrix {
         if self.rows * self.cols < PARALLEL_MIN || blocks < 4 {
             run(0..blocks);
         } else {
-            // Two halves at once: this thread and the helper (see helper.rs).
-            let mid = blocks / 2;
-            crate::helper::join(|| run(0..mid), || run(mid..blocks));
+            // This thread and the helper (see helper.rs), a few blocks at a time.
+            let per = blocks.div_ceil(UNITS);
+            crate::helper::for_each(blocks.div_ceil(per), |u| {
+                run(u * per..((u + 1) * per).min(blocks));
+            });
         }
         Ok(())
     }
