@@ -20,13 +20,6 @@
 //! Packed layout: blocks of 16 output rows; inside a block, per pair of runs of 4 features, 64
 //! bytes: byte i holds row i / 4, feature i % 4 of the first run in its low nibble and of the
 //! second run in its high one (the int8 layout's two runs, one nibble each).
-//!
-//! Loop order: a block's group is unpacked to bytes once, then every row of the pass (up to
-//! `TILE` at a time, 2 in registers at once) takes its products from those bytes, and its float
-//! totals wait in L1. So a verify pass of k+1 rows reads and unpacks each weight once, and its
-//! cost past the first row is the multiplies alone: 16 vpmaddubsw and 16 adds per row and
-//! group of 16 × 32 weights, and a float epilogue. (4 rows in registers measured slower on a
-//! Zen 3: LLVM then spilled the broadcasts.)
 
 use half::f16;
 
@@ -37,9 +30,6 @@ use crate::int8::{
 
 /// Output rows per packed block.
 const BLOCK: usize = 16;
-/// Pass rows whose totals a block keeps at once (2 KiB of f32), so the group's unpacked bytes
-/// serve them all.
-const TILE: usize = 32;
 /// Above this many input features the packing's indices could overflow (checked at
 /// construction); the i32 group sums cannot, whatever the width.
 pub const MAX_COLS: usize = 1 << 20;
@@ -187,10 +177,10 @@ impl Q4Matrix {
         let blocks = self.rows.div_ceil(BLOCK);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let run = |range: std::ops::Range<usize>| {
-            let mut acc = [0.0f32; TILE * BLOCK];
+            let mut acc = [0.0f32; 2 * BLOCK];
             for b in range {
-                for r0 in (0..n).step_by(TILE) {
-                    let m = TILE.min(n - r0);
+                for r0 in (0..n).step_by(2) {
+                    let m = 2.min(n - r0);
                     self.dot_block(kernel, b, &acts, &sums, r0, m, &mut acc);
                     self.write(b, r0, m, &acc, &acts.bad, out_ptr);
                 }
@@ -208,7 +198,7 @@ impl Q4Matrix {
         Ok(())
     }
 
-    /// acc[i * 16 + lane] = row r0 + i's product with block b's 16 rows, for m ≤ TILE rows.
+    /// acc[i * 16 + lane] = row r0 + i's product with block b's 16 rows, for m ≤ 2 rows.
     #[allow(clippy::too_many_arguments)]
     fn dot_block(
         &self,
@@ -237,7 +227,11 @@ impl Q4Matrix {
             // SAFETY: a kernel other than Scalar passed `supported()`, so the CPU has AVX2 (every
             // such kernel's CPU has it); F16C is checked here. Slice lengths are as read.
             Kernel::Avx2 | Kernel::AvxVnni | Kernel::Avx512Vnni if has_f16c() => unsafe {
-                x86::dot(&block, xs, sx, xsum, m, acc);
+                if m == 2 {
+                    x86::dot::<2>(&block, xs, sx, xsum, acc);
+                } else {
+                    x86::dot::<1>(&block, xs, sx, xsum, acc);
+                }
             },
             _ => dot_scalar(&block, xs, sx, xsum, m, acc),
         }
@@ -353,10 +347,7 @@ mod x86 {
 
     use half::f16;
 
-    use super::{Block, BLOCK, GROUP, TILE};
-
-    /// Rows whose integer sums sit in registers at once: 2 rows × 2 halves of 8 output rows.
-    const ROWS: usize = 2;
+    use super::{Block, BLOCK, GROUP};
 
     /// Eight f16 values at p, as f32.
     #[inline]
@@ -365,108 +356,63 @@ mod x86 {
         _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
     }
 
-    /// acc[i * 16 + lane] for the m ≤ TILE rows of xs. Per group: its 4 pairs of runs (64 packed
-    /// bytes each) become 16 ymm of u8 values, [pair][run][half of 8 rows], kept in L1; then each
-    /// row's run of 4 activations, broadcast, meets them in vpmaddubsw, and the i16 pair sums
-    /// add up across the group and widen once.
+    /// Per group and pair of runs: the 64 packed bytes become 4 ymm of u8 values (two runs ×
+    /// two halves of 8 rows); each feeds one vpmaddubsw per row against the run's 4 activations
+    /// broadcast. The i16 pair sums add up across the group's 4 pairs and widen once per group.
     #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn dot(
+    pub unsafe fn dot<const R: usize>(
         blk: &Block<'_>,
         xs: &[i8],
         sx: &[f32],
         xsum: &[f32],
-        m: usize,
         acc: &mut [f32],
     ) {
-        debug_assert!(m <= TILE && acc.len() >= m * BLOCK && xs.len() == m * blk.width);
         let groups = blk.width / GROUP;
         let nibble = _mm256_set1_epi8(15);
+        let ones = _mm256_set1_epi16(1);
         let wp = blk.w.as_ptr();
-        let mut w = [_mm256_setzero_si256(); 16];
-        let mut total = [_mm256_setzero_ps(); 2 * TILE]; // [row][half]
-        for g in 0..groups {
-            for pair in 0..4 {
-                let at = (g * 4 + pair) * 64;
-                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(at + 2048).cast()); // as int8's
-                let lo = _mm256_loadu_si256(wp.add(at).cast());
-                let hi = _mm256_loadu_si256(wp.add(at + 32).cast());
-                w[pair * 4] = _mm256_and_si256(lo, nibble);
-                w[pair * 4 + 1] = _mm256_and_si256(hi, nibble);
-                w[pair * 4 + 2] = _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble);
-                w[pair * 4 + 3] = _mm256_and_si256(_mm256_srli_epi16(hi, 4), nibble);
-            }
-            let (d, mn) = (blk.d.as_ptr().add(g * BLOCK), blk.m.as_ptr().add(g * BLOCK));
-            let d = [eight(d), eight(d.add(8))];
-            let mn = [eight(mn), eight(mn.add(8))];
-            let group = Group {
-                w: &w,
-                d,
-                m: mn,
-                g,
-                groups,
-                width: blk.width,
-            };
-            let mut r0 = 0;
-            while r0 + ROWS <= m {
-                rows::<ROWS>(&group, xs, sx, xsum, r0, &mut total);
-                r0 += ROWS;
-            }
-            if r0 < m {
-                rows::<1>(&group, xs, sx, xsum, r0, &mut total);
-            }
-        }
-        for (i, t) in total[..2 * m].chunks_exact(2).enumerate() {
-            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK), t[0]);
-            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK + 8), t[1]);
-        }
-    }
-
-    /// One group's unpacked weights, its d and m as f32, and where it sits.
-    struct Group<'a> {
-        w: &'a [__m256i; 16],
-        d: [__m256; 2],
-        m: [__m256; 2],
-        g: usize,
-        groups: usize,
-        width: usize,
-    }
-
-    /// Rows r0..r0+R of the pass through one group: their products added to total.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn rows<const R: usize>(
-        grp: &Group<'_>,
-        xs: &[i8],
-        sx: &[f32],
-        xsum: &[f32],
-        r0: usize,
-        total: &mut [__m256; 2 * TILE],
-    ) {
         let xp = xs.as_ptr();
-        let mut sums = [[_mm256_setzero_si256(); 2]; R];
-        for run in 0..8 {
-            // run 2p is pair p's low nibbles, run 2p + 1 its high ones; [half of 8 rows]
-            let wr = [grp.w[run * 2], grp.w[run * 2 + 1]];
-            for (i, si) in sums.iter_mut().enumerate() {
-                let at = (r0 + i) * grp.width + grp.g * GROUP + run * 4;
-                let xv = _mm256_set1_epi32(xp.add(at).cast::<i32>().read_unaligned());
-                for (sih, wh) in si.iter_mut().zip(wr) {
-                    *sih = _mm256_add_epi16(*sih, _mm256_maddubs_epi16(wh, xv));
+        let mut total = [[_mm256_setzero_ps(); 2]; R];
+        for g in 0..groups {
+            let mut sums = [[_mm256_setzero_si256(); 2]; R];
+            for pair in g * 4..(g + 1) * 4 {
+                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast()); // as int8's
+                let lo = _mm256_loadu_si256(wp.add(pair * 64).cast());
+                let hi = _mm256_loadu_si256(wp.add(pair * 64 + 32).cast());
+                // [run][half]
+                let w = [
+                    [_mm256_and_si256(lo, nibble), _mm256_and_si256(hi, nibble)],
+                    [
+                        _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble),
+                        _mm256_and_si256(_mm256_srli_epi16(hi, 4), nibble),
+                    ],
+                ];
+                for (i, si) in sums.iter_mut().enumerate() {
+                    for (run, wr) in w.iter().enumerate() {
+                        let at = i * blk.width + (2 * pair + run) * 4;
+                        let xv = _mm256_set1_epi32(xp.add(at).cast::<i32>().read_unaligned());
+                        for (sih, wh) in si.iter_mut().zip(wr) {
+                            *sih = _mm256_add_epi16(*sih, _mm256_maddubs_epi16(*wh, xv));
+                        }
+                    }
+                }
+            }
+            let (d, m) = (blk.d.as_ptr().add(g * BLOCK), blk.m.as_ptr().add(g * BLOCK));
+            let d = [eight(d), eight(d.add(8))];
+            let m = [eight(m), eight(m.add(8))];
+            for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                let s = _mm256_set1_ps(sx[i * groups + g]);
+                let xs = _mm256_set1_ps(xsum[i * groups + g]);
+                for h in 0..2 {
+                    let exact = _mm256_cvtepi32_ps(_mm256_madd_epi16(si[h], ones));
+                    let t = _mm256_add_ps(ti[h], _mm256_mul_ps(exact, _mm256_mul_ps(d[h], s)));
+                    ti[h] = _mm256_add_ps(t, _mm256_mul_ps(m[h], xs));
                 }
             }
         }
-        let ones = _mm256_set1_epi16(1);
-        for (i, si) in sums.iter().enumerate() {
-            let at = (r0 + i) * grp.groups + grp.g;
-            let s = _mm256_set1_ps(sx[at]);
-            let xs = _mm256_set1_ps(xsum[at]);
-            for h in 0..2 {
-                let exact = _mm256_cvtepi32_ps(_mm256_madd_epi16(si[h], ones));
-                let t = &mut total[2 * (r0 + i) + h];
-                // (no fma: the documented order rounds each product, as numpy's check does)
-                *t = _mm256_add_ps(*t, _mm256_mul_ps(exact, _mm256_mul_ps(grp.d[h], s)));
-                *t = _mm256_add_ps(*t, _mm256_mul_ps(grp.m[h], xs));
-            }
+        for (i, ti) in total.iter().enumerate() {
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK), ti[0]);
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK + 8), ti[1]);
         }
     }
 }
@@ -528,7 +474,7 @@ mod tests {
             (33, 130, 17),
             (300, 577, 2),
             (1000, 96, 5), // parallel
-            (50, 96, 70),  // more rows than a tile
+            (50, 96, 70),  // many rows
         ] {
             let m = Q4Matrix::quantize(&lcg(rows as u64, rows * cols), rows, cols).unwrap();
             let x = lcg(7 + n as u64, n * cols);
