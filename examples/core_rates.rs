@@ -1,0 +1,176 @@
+//! What the core's CPU kernels reach on this machine, against what its cores can issue.
+//!
+//!     cargo run --release --example core_rates
+//!
+//! - the peak rate of one core: vpmaddubsw (32 int8 multiply-adds) and float32 FMA (8), each in
+//!   independent chains, so throughput and not latency is timed;
+//! - SmolLM2-135M's 120 layer matrices in 4-bit (q4) and its output matrix in int8, at 1-16
+//!   rows, with both threads (`helper`), distinct matrices so that the weights come from memory;
+//! - attention of 9 query heads over 3 kv heads (head size 64) at 1 and 9 rows after 500 and
+//!   2000 cached tokens, one layer.
+//!
+//! `benches/bench_linear.py` and `benches/bench_runtime.py` time the same kernels through the
+//! Python package beside torch's; this is the core alone, for work on the kernels.
+
+use std::time::Instant;
+
+use specfast::attention::{attend, Dims};
+use specfast::int8::{Int8Matrix, Kernel};
+use specfast::q4::Q4Matrix;
+
+fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005) | 1;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+/// The fastest of `tries` timings of `f`, in seconds.
+fn fastest(tries: usize, mut f: impl FnMut()) -> f64 {
+    (0..tries)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod peak {
+    use std::arch::x86_64::{
+        __m256, __m256i, _mm256_add_epi16, _mm256_add_ps, _mm256_fmadd_ps, _mm256_maddubs_epi16,
+        _mm256_set1_epi8, _mm256_set1_ps,
+    };
+
+    /// n rounds of 8 independent vpmaddubsw chains.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn maddubs(n: usize) -> __m256i {
+        let x = _mm256_set1_epi8(std::hint::black_box(1));
+        let mut acc = [_mm256_set1_epi8(1); 8];
+        for _ in 0..n {
+            for a in &mut acc {
+                *a = _mm256_maddubs_epi16(*a, x);
+            }
+        }
+        acc.iter().fold(acc[0], |s, &a| _mm256_add_epi16(s, a))
+    }
+
+    /// n rounds of 10 independent FMA chains.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fma(n: usize) -> __m256 {
+        let x = _mm256_set1_ps(std::hint::black_box(1.0));
+        let mut acc = [_mm256_set1_ps(1.0); 10];
+        for _ in 0..n {
+            for a in &mut acc {
+                *a = _mm256_fmadd_ps(*a, x, x);
+            }
+        }
+        acc.iter().fold(acc[0], |s, &a| _mm256_add_ps(s, a))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn peak_rates() {
+    if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        return;
+    }
+    let n = 20_000_000;
+    // SAFETY: the features were checked above.
+    let t = fastest(3, || {
+        std::hint::black_box(unsafe { peak::maddubs(n) });
+    });
+    println!(
+        "one core: {:.2} G vpmaddubsw/s ({:.0} G int8 multiply-adds/s)",
+        8.0 * n as f64 / t / 1e9,
+        256.0 * n as f64 / t / 1e9
+    );
+    // SAFETY: as above.
+    let t = fastest(3, || {
+        std::hint::black_box(unsafe { peak::fma(n) });
+    });
+    println!(
+        "one core: {:.2} G ymm FMA/s ({:.0} G float32 multiply-adds/s)",
+        10.0 * n as f64 / t / 1e9,
+        80.0 * n as f64 / t / 1e9
+    );
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn peak_rates() {}
+
+fn products() {
+    let layer = [(960usize, 576usize), (576, 576), (3072, 576), (576, 1536)];
+    let mats: Vec<Q4Matrix> = (0..30u64)
+        .flat_map(|l| {
+            layer
+                .iter()
+                .enumerate()
+                .map(move |(i, &rc)| (l * 4 + i as u64, rc))
+        })
+        .map(|(seed, (r, c))| Q4Matrix::quantize(&values(seed, r * c), r, c).unwrap())
+        .collect();
+    let head = Int8Matrix::quantize(&values(999, 49_152 * 576), 49_152, 576).unwrap();
+    let bytes: usize = mats.iter().map(Q4Matrix::nbytes).sum();
+    let kernel = Kernel::best();
+    println!(
+        "q4 layers ({} MB) and the int8 output matrix, {}:",
+        bytes >> 20,
+        kernel.name()
+    );
+    for n in [1usize, 2, 4, 8, 9, 16] {
+        let (x576, x1536) = (values(1, n * 576), values(2, n * 1536));
+        let t = fastest(9, || {
+            for m in &mats {
+                let x = if m.cols() == 576 { &x576 } else { &x1536 };
+                let mut out = vec![0.0f32; n * m.rows()];
+                m.matmul(x, &mut out, kernel).unwrap();
+            }
+        });
+        let th = fastest(9, || {
+            let mut out = vec![0.0f32; n * 49_152];
+            head.matmul(&x576, &mut out, kernel).unwrap();
+        });
+        println!(
+            "  {n:2} rows: layers {:6.2} ms ({:4.1} GB/s), output matrix {:5.2} ms",
+            t * 1e3,
+            bytes as f64 / t / 1e9,
+            th * 1e3
+        );
+    }
+}
+
+fn attention() {
+    let capacity = 2016;
+    let (k, v) = (values(3, 3 * capacity * 64), values(4, 3 * capacity * 64));
+    println!("attention, 9 heads over 3 kv heads, head size 64, one layer:");
+    for (rows, pos) in [(1usize, 500usize), (9, 500), (1, 2000), (9, 2000)] {
+        let d = Dims {
+            rows,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            capacity,
+            pos,
+        };
+        let q = values(5, 9 * rows * 64);
+        let mut out = vec![0.0f32; q.len()];
+        let t = fastest(20, || {
+            for _ in 0..10 {
+                attend(&q, &k, &v, &mut out, &d).unwrap();
+            }
+        }) / 10.0;
+        println!("  {rows} rows after {pos} tokens: {:6.1} us", t * 1e6);
+    }
+}
+
+fn main() {
+    peak_rates();
+    products();
+    attention();
+}
