@@ -36,7 +36,13 @@ from specfast.targets.torch.int8 import (
     torch_threads,
 )
 from specfast.targets.torch.kv_cache import KVCache, static_cache
-from specfast.targets.torch.steps import BUCKETS, bucket, compile_step, static_capacity
+from specfast.targets.torch.steps import (
+    BUCKETS,
+    bucket,
+    compile_step,
+    model_capacity,
+    static_capacity,
+)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPES.update({"bf16": torch.bfloat16, "float": torch.float32})
@@ -286,6 +292,11 @@ class Model(nn.Module):
         # The file's layer matrices were 4-bit (a Q4 GGUF): weights="auto" may pick q4.
         self.file_is_4bit = False
         self.compiled_step = None  # torch.compile'd forward_static (steps.compile_step)
+        self.static_capacity = 0  # KV slots of the compiled step's decoders (compile_steps)
+        # Runs of a (bucket, cache) that compile or record, not run: the first; on CUDA the
+        # second too, which records the CUDA graph (the first runs eagerly to warm up).
+        self.cold_runs = 1
+        self._step_runs: dict[tuple[int, int], int] = {}  # (bucket, id of the cache) -> runs
 
     def extra_repr(self) -> str:
         step = "compiled" if self.compiled_step is not None else "eager"
@@ -303,14 +314,26 @@ class Model(nn.Module):
         return self.weight_kind != "float"
 
     def compile_steps(
-        self, enabled: bool = True, mode: str | None = None, backend: str = "inductor"
+        self,
+        enabled: bool = True,
+        mode: str | None = None,
+        backend: str = "inductor",
+        max_length: int | None = None,
     ) -> Model:
         """Decoders made from now on run decode and verify passes as compiled static-shape
-        steps (enabled=False: eager again). See specfast.targets.torch.steps. Returns self."""
+        steps (enabled=False: eager again). See specfast.targets.torch.steps. Their KV cache
+        has one capacity, for `max_length` tokens (None: the whole context, up to 4095), so
+        generations up to that long share one compile per bucket; a longer decoder gets a
+        larger capacity and compiles again. steps.warmup compiles ahead. Returns self."""
         if enabled and self.int8:
             raise ValueError("int8 weights run eagerly on CPU; compile a float model instead")
+        if max_length is not None and not 0 < max_length <= self.max_context:
+            raise ValueError(f"max_length must be in [1, {self.max_context}], got {max_length}")
         self.unpack()  # a compiled step reads the plain weights (packed_weights keeps them then)
         self.compiled_step = compile_step(self, mode, backend) if enabled else None
+        self.static_capacity = model_capacity(self.max_context, max_length)
+        self.cold_runs = 2 if self.device.type == "cuda" else 1
+        self._step_runs = {}
         return self
 
     @classmethod
@@ -704,6 +727,7 @@ class Decoder:
         self.model = model
         self.max_length = max_length
         self.step = model.compiled_step
+        self.cold_passes = 0  # passes that compiled a graph or recorded a CUDA graph
         if self.step is not None:
             model._restore_plain()  # a compiled step reads the plain weights, not the packed
         if self.step is None:
@@ -712,10 +736,11 @@ class Decoder:
             )
             model.rope(max_length)
         else:
-            # A compiled step needs a fixed cache shape: a power-of-two capacity (steps.py), on
-            # buffers kept per model and capacity, so the CUDA graphs recorded for their
-            # addresses replay for the next decoder too.
-            capacity = static_capacity(max_length)
+            # A compiled step needs a fixed cache shape: the model's one capacity (a larger
+            # power of two if this decoder outgrows it), on buffers kept per model and
+            # capacity, so the CUDA graphs recorded for their addresses replay for the next
+            # decoder too.
+            capacity = max(model.static_capacity, static_capacity(max_length))
             self.cache = static_cache(model, capacity)
             # The same tensors every pass, marked static: CUDA graphs read them in place
             # instead of copying them in before each replay.
@@ -799,6 +824,11 @@ class Decoder:
             positions = torch.arange(pos, pos + B, device=ids.device).clamp_max_(C - 1)
             logits, top = self.step(padded, positions, self.cache.k, self.cache.v, cos, sin)
         self.cache.length = pos + T
+        m = self.model
+        key = (B, id(self.cache.k))  # buffers are kept objects (static_cache): one id each
+        m._step_runs[key] = m._step_runs.get(key, 0) + 1
+        if m._step_runs[key] <= m.cold_runs:
+            self.cold_passes += 1
         # CUDA graphs reuse their output buffers on the next replay: hand out copies.
         return logits[:T].clone(), top[:T].clone()
 
