@@ -203,7 +203,7 @@ def measure(rows: Rows, shape, dtype_name, step, device, ns, repeats, weights="f
             model = random_model(shape, device, dtype)
             if quantized:
                 model.quantize_int8(weights)
-        model.compile_steps(step == "compiled")
+        model.compile_steps(step == "compiled", max_length=CONTEXT + max(ns))
         bw = copy_bandwidth(device)  # with the weights in memory, as a pass runs
         wb = weight_bytes(model)
         bound = wb / bw

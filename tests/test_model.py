@@ -4,9 +4,11 @@ import dataclasses
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specfast import Model, ModelConfig
 from specfast._core import Int8Matrix
+from specfast.targets.torch import model as model_module
 from specfast.targets.torch.kv_cache import KVCache
 
 
@@ -260,6 +262,44 @@ def test_bad_lengths_and_config(tiny_model):
         Model.from_config(ModelConfig(), dtype="float64")
     with pytest.raises(ValueError, match="dtype"):
         Model.from_config(ModelConfig(), dtype=torch.int64)
+
+
+@pytest.mark.parametrize("sdpa_gqa", [True, False], ids=["enable_gqa", "expand"])
+@pytest.mark.parametrize("T, pos", [(1, 20), (9, 20), (24, 0)], ids=["decode", "verify", "prefill"])
+def test_attention_is_fused_and_equals_written_out_attention(monkeypatch, sdpa_gqa, T, pos):
+    """model.attention: 4-D grouped-query attention (SDPA's enable_gqa, or the stride-0 expand
+    of torch < 2.5) that the CPU flash kernel takes (FLASH_ATTENTION alone raises otherwise),
+    with a mask (verify), causal (prefill from 0) or neither (decode), as written out."""
+    monkeypatch.setattr(model_module, "SDPA_GQA", sdpa_gqa)
+    H, Hkv, hd, L = 6, 2, 16, pos + T
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(T, H + Hkv, hd, generator=g)[:, :H].transpose(0, 1)  # (H, T, hd), a view
+    k, v = torch.randn(2, Hkv, L, hd, generator=g)
+    causal = pos == 0 and T > 1
+    mask = torch.ones(T, L, dtype=torch.bool).tril_(pos)  # query i sees keys [0, pos + i]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        y = model_module.attention(q, k, v, None if causal or T == 1 else mask, causal)
+    scores = q @ k.repeat_interleave(H // Hkv, 0).transpose(1, 2) / hd**0.5  # (H, T, L)
+    want = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(H // Hkv, 0)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_passes_take_fused_attention():
+    """On CUDA every eager pass (causal prefill, masked verify, decode) and the static step
+    attend through a fused kernel: with the math path switched off, none raises."""
+    model = Model.from_config(ModelConfig(max_context=512), seed=0, device="cuda", dtype="bf16")
+    ids = torch.arange(1, 41, device="cuda")
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused), torch.inference_mode():
+        dec = model.decoder(64)
+        dec.forward(ids[:30])
+        dec.forward(ids[30:39])
+        dec.forward(ids[39:])
+        c = model.config
+        cos, sin = (t[:256] for t in model.rope(256))
+        k = torch.zeros(c.n_layers, c.n_kv_heads, 256, c.head_dim, device="cuda", dtype=model.dtype)
+        model.forward_static(ids[:8], torch.arange(8, device="cuda"), k, k.clone(), cos, sin)
 
 
 @pytest.mark.cuda

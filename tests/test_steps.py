@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import specfast
 from specfast import hardware
+from specfast.autok import measured_pass_costs
 from specfast.targets.torch import steps
 from specfast.targets.torch.model import Model, ModelConfig, resolve_dtype
 
@@ -153,6 +154,87 @@ def test_no_acceptance_count_or_position_recompiles():
     assert len(graphs) == len(steps.BUCKETS) + 1
 
 
+# ----------------------------------------------------------------------------
+# compiles outside the clock: load_model warms up; auto k never prices a pass that compiled
+
+generate_module = importlib.import_module("specfast.generate")  # the module, not the function
+formats = importlib.import_module("specfast.formats")
+
+
+class SlowCompileClock:
+    """generate.py's clock (its `time` module, nothing else's): 1 ms a reading, plus
+    COMPILE_SECONDS for every graph compiled since the last reading."""
+
+    COMPILE_SECONDS = 100.0
+
+    def __init__(self):
+        self.now = 0.0
+        self.graphs = 0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+    def backend(self, gm, example_inputs):
+        self.graphs += 1
+        self.now += self.COMPILE_SECONDS
+        return gm.forward
+
+
+def pass_costs_of_a_cold_generate(monkeypatch) -> tuple[dict[int, float], int]:
+    """An auto-k generate() on a compiled model that was never warmed up, so verify passes of
+    new lengths compile midway -> (the pass costs auto k recorded, graphs compiled midway)."""
+    torch._dynamo.reset()
+    clock = SlowCompileClock()
+    model = tiny().compile_steps(backend=clock.backend)
+    prompt = repetitive_prompt(tiny())
+    monkeypatch.setattr(generate_module, "time", clock)
+    specfast.generate(model, prompt, max_new_tokens=40, ignore_eos=True)
+    return measured_pass_costs(model), clock.graphs  # (the prefill runs eager)
+
+
+def test_auto_k_never_records_a_pass_that_compiled(monkeypatch):
+    costs, compiled_midway = pass_costs_of_a_cold_generate(monkeypatch)
+    assert compiled_midway >= 2  # the plain step and at least one verify length
+    assert len(costs) >= 2 and max(costs.values()) < 1.0, costs
+
+
+def test_control_without_the_guard_a_compile_is_priced_as_a_pass(monkeypatch):
+    monkeypatch.setattr(generate_module, "cold_passes", lambda decoder: 0)
+    costs, _ = pass_costs_of_a_cold_generate(monkeypatch)
+    assert max(costs.values()) > SlowCompileClock.COMPILE_SECONDS / 10, costs
+
+
+def test_load_model_warms_every_bucket_of_one_capacity(monkeypatch, tmp_path, capsys):
+    """compile="on": every bucket compiled before load_model returns, for the capacity of
+    max_length; generate() calls of any length up to it compile nothing and no pass of theirs
+    is cold."""
+    torch._dynamo.reset()
+    backend, graphs = counting_backend()
+    compile_steps = Model.compile_steps
+    monkeypatch.setattr(formats, "_load", lambda *args: tiny())
+    monkeypatch.setattr(
+        Model, "compile_steps", lambda self, **kw: compile_steps(self, backend=backend, **kw)
+    )
+    model = specfast.load_model(tmp_path / "m.gguf", compile="on", dtype="float32", max_length=300)
+    assert model.static_capacity == 512
+    assert len(graphs) == len(steps.BUCKETS)
+    assert len(capsys.readouterr().err.splitlines()) == len(steps.BUCKETS)  # a line a bucket
+    cold = []
+    real = generate_module.cold_passes
+
+    def cold_passes(decoder):
+        cold.append(real(decoder))
+        return cold[-1]
+
+    monkeypatch.setattr(generate_module, "cold_passes", cold_passes)
+    prompt = repetitive_prompt(tiny())
+    for n in (8, 40, 300 - len(prompt)):
+        specfast.generate(model, prompt, max_new_tokens=n, ignore_eos=True)
+    assert len(graphs) == len(steps.BUCKETS)
+    assert cold and set(cold) == {0}
+
+
 def test_capacity_is_a_power_of_two_above_the_length():
     assert steps.static_capacity(1) == steps.MIN_CAPACITY
     assert steps.static_capacity(255) == 256
@@ -160,6 +242,9 @@ def test_capacity_is_a_power_of_two_above_the_length():
     assert [steps.bucket(n) for n in (1, 2, 3, 9, 17, 64)] == [1, 2, 4, 16, 32, 64]
     with pytest.raises(ValueError, match="at most 64"):
         steps.bucket(65)
+    assert steps.model_capacity(512) == 1024  # the whole context
+    assert steps.model_capacity(32768) == steps.STATIC_SLOTS  # up to 4095 tokens
+    assert steps.model_capacity(32768, max_length=5000) == 8192
 
 
 # ----------------------------------------------------------------------------

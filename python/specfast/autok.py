@@ -184,11 +184,15 @@ class AutoK:
         self,
         n_draft: int,
         n_accepted: int,
-        seconds: float,
+        seconds: float | None,
         draft_seconds: float = 0.0,
         match_length: int | None = None,
     ) -> None:
-        """Records one round: drafts verified, drafts accepted, and the target pass time."""
+        """Records one round: drafts verified, drafts accepted, and the target pass time.
+        seconds None: the pass's time is no pass cost (it compiled a graph or recorded a CUDA
+        graph, seconds where a pass takes milliseconds): only the acceptance is recorded. The
+        costs are shared by every call on the target, so one such time would price that pass
+        length out for good."""
         if n_draft:
             r = self._rate(match_bucket(match_length))
             r.accepts = self.decay * r.accepts + n_accepted
@@ -202,6 +206,8 @@ class AutoK:
                 per = draft_seconds / n_draft
                 d = self.draft_step_seconds
                 self.draft_step_seconds = per if d == 0 else 0.8 * d + 0.2 * per
+        if seconds is None:
+            return
         self._tokens = 0.9 * self._tokens + n_accepted + 1
         self._seconds = 0.9 * self._seconds + seconds + draft_seconds
         w_t = self._sums.setdefault(n_draft + 1, [0.0, 0.0])

@@ -386,14 +386,20 @@ def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: Gener
     sampling = settings.sampling
     q = proposal.q if sampling is not None and draft else None
     layers = feature_layers(drafter)
+    cold = cold_passes(decoder)
     out, logits, features = _verify(
         decoder, tokens, draft, q, len(emit.token_ids), sampling, settings.device, layers
     )
+    seconds = time.perf_counter() - t1
     n_accepted = len(out) - 1
     if features is not None:
         features = features[: n_accepted + 1]
     verified = Verified(logits, n_accepted + 1, features)
-    drafter.observe(proposal, n_accepted, time.perf_counter() - t1, verified)
+    if cold_passes(decoder) != cold:
+        # The pass compiled a graph: seconds where a pass takes milliseconds, no measure of what
+        # a pass of that length costs. The drafter gets no time (auto k keeps the acceptance).
+        seconds = None
+    drafter.observe(proposal, n_accepted, seconds, verified)
     # Keep [last, accepted drafts] in the cache; the new token goes in next round.
     decoder.rollback(decoder.length - len(draft) + n_accepted)
     committed = emit.commit(*out)
@@ -402,6 +408,12 @@ def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: Gener
     stats.accepted_tokens += min(n_accepted, committed)
     stats.acceptance_histogram[n_accepted] += 1
     drafter.extend(emit.token_ids[-committed:])
+
+
+def cold_passes(decoder) -> int:
+    """How many of the decoder's passes so far compiled a graph or recorded a CUDA graph (a
+    compiled target's first passes of a shape); 0 for runtimes that never compile."""
+    return getattr(decoder, "cold_passes", 0)
 
 
 def _verify(decoder, tokens, draft, q, pos, sampling, device, layers=None):

@@ -18,6 +18,8 @@ The protocol (`Drafter`):
   samples with it so its q is the very distribution the acceptance rule divides by.
 - `propose(budget) -> Proposal`: at most `budget` tokens; the drafter picks k (fixed or auto).
 - `observe(proposal, n_accepted, verify_seconds, verified)`: feedback for its k policy.
+  `verify_seconds` is None when the pass's time is no measure of its cost: it compiled a
+  graph or recorded a CUDA graph (a compiled target's first passes of a shape).
 - `rollback(kept)`: the committed sequence is now `kept`, a prefix of what it was (a Session's
   rewind, or an interrupted turn). An n-gram index resets and re-extends; a draft model cuts its
   committed list and its cache follows on the next proposal.
@@ -76,7 +78,11 @@ class Drafter(Protocol):
     def start_turn(self, seed: int, params: dict | None) -> None: ...
     def propose(self, budget: int) -> Proposal: ...
     def observe(
-        self, proposal: Proposal, n_accepted: int, verify_seconds: float, verified: Verified
+        self,
+        proposal: Proposal,
+        n_accepted: int,
+        verify_seconds: float | None,
+        verified: Verified,
     ) -> None: ...
     def rollback(self, kept: list[int]) -> None: ...
     def fork(self, ids: list[int]) -> Drafter: ...
@@ -121,7 +127,7 @@ class NoDraft(Base):
         return NoDraft()
 
 
-def observe_model(auto: AutoK, proposal: Proposal, n_accepted: int, verify_seconds: float):
+def observe_model(auto: AutoK, proposal: Proposal, n_accepted: int, verify_seconds: float | None):
     n = len(proposal.tokens)
     auto.observe(n, n_accepted, verify_seconds, proposal.seconds, proposal.evidence)
     if n and proposal.confidences:

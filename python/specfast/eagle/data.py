@@ -37,11 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from specfast.bench import workloads
 from specfast.generate import generate, render_chat
-from specfast.targets.torch.model import linear
+from specfast.targets.torch.model import attention, linear
 
 # ---------------------------------------------------------------------------- the split
 
@@ -493,17 +492,16 @@ def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
             live = [b for b in live if len(outs[b]) < max_new_tokens]
             if not live:
                 break
-            T = len(live)
             ids = torch.tensor([outs[b][-1] for b in live])
             pos = [decs[b].length for b in live]
             cos, sin = cos_t[pos][:, None, :], sin_t[pos][:, None, :]  # (T, 1, hd)
 
-            def attend(i, q, k, v, live=live, pos=pos, T=T):
-                # q (Hkv, g*T, hd): row r is query head r // T of token r % T
+            def attend(i, q, k, v, live=live, pos=pos):
+                # q (H, T, hd), k, v (Hkv, T, hd): column j is token j's, at its own position
                 y = torch.empty_like(q)
                 for j, b in enumerate(live):
                     kc, vc = decs[b].cache.write(i, pos[j], k[:, j : j + 1], v[:, j : j + 1])
-                    y[:, j::T] = F.scaled_dot_product_attention(q[:, j::T], kc, vc)
+                    y[:, j : j + 1] = attention(q[:, j : j + 1], kc, vc)
                 return y
 
             x = model._layers(model.embed(ids), cos, sin, attend, packed)

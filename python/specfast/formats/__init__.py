@@ -17,7 +17,7 @@ from specfast.targets.base import default_model_path
 from specfast.targets.llama_cpp import load_llama
 from specfast.targets.torch.int8 import QUANTIZED, auto_weights, check_weights
 from specfast.targets.torch.model import Model, resolve_device, resolve_dtype, trim_heap
-from specfast.targets.torch.steps import resolve_compile
+from specfast.targets.torch.steps import resolve_compile, warmup
 
 
 def load_model(
@@ -27,6 +27,7 @@ def load_model(
     compile="auto",
     backend="specfast",
     weights="auto",
+    max_length=None,
     **llama_kwargs,
 ):
     """A GGUF file or a HF checkpoint folder (config.json + *.safetensors) -> Model.
@@ -36,6 +37,9 @@ def load_model(
     else float32; "float32" | "bfloat16" | "float16" are honoured as given. `model.dtype` is
     the dtype chosen. compile "auto" | "on" | "off": "auto" compiles the decode and verify
     steps on CUDA (static shapes, CUDA graphs) and runs eager on CPU, where it measured faster.
+    A compiled model is warmed up here, every step compiled (a progress line per step on
+    stderr), for one KV capacity: `max_length` tokens (prompt and new tokens; None: the
+    context, up to 4095), so no generate() that fits compiles inside its clock.
 
     backend="llama.cpp" returns a llama_cpp.Llama over the GGUF file instead (its own quantized
     weights; dtype and compile are not used); extra keyword arguments (n_ctx, n_threads, ...)
@@ -69,7 +73,10 @@ def load_model(
         model, _ = auto_weights(model, lambda kind: _load(path, device, None, kind), kinds)
         if model.int8:
             return model
-    return model.compile_steps() if compiled else model
+    if compiled:
+        model.compile_steps(max_length=max_length)
+        warmup(model)
+    return model
 
 
 def _load(path: Path, device, dtype, weights: str) -> Model:

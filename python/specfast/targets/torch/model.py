@@ -36,7 +36,13 @@ from specfast.targets.torch.int8 import (
     torch_threads,
 )
 from specfast.targets.torch.kv_cache import KVCache, static_cache
-from specfast.targets.torch.steps import BUCKETS, bucket, compile_step, static_capacity
+from specfast.targets.torch.steps import (
+    BUCKETS,
+    bucket,
+    compile_step,
+    model_capacity,
+    static_capacity,
+)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPES.update({"bf16": torch.bfloat16, "float": torch.float32})
@@ -192,10 +198,11 @@ def attend_rows(q, k_cache, v_cache, groups, g: int) -> torch.Tensor:
     pass computes it: as one item of a batch, over its group's padded key length, masked past
     its position (row_groups).
 
-    q (Hkv, g*T, hd); k_cache, v_cache (Hkv, S, hd) -> (Hkv, g*T, hd).
+    q (H, T, hd); k_cache, v_cache (Hkv, S, hd) -> (H, T, hd).
     """
-    Hkv, gT, hd = q.shape
-    rows = q.view(Hkv, g, gT // g, hd).permute(2, 0, 1, 3)  # (T, Hkv, g, hd): one item a row
+    H, T, hd = q.shape
+    Hkv = H // g
+    rows = q.view(Hkv, g, T, hd).permute(2, 0, 1, 3)  # (T, Hkv, g, hd): one item a row
     outs = []
     for t, end, seen in groups:
         keys = seen.shape[-1]
@@ -203,7 +210,37 @@ def attend_rows(q, k_cache, v_cache, groups, g: int) -> torch.Tensor:
         v = v_cache[None, :, :keys].expand(end - t, Hkv, keys, hd)
         outs.append(F.scaled_dot_product_attention(rows[t:end], k, v, attn_mask=seen))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.permute(1, 2, 0, 3).reshape(Hkv, gT, hd)
+    return out.permute(1, 2, 0, 3).reshape(H, T, hd)
+
+
+# SDPA reads each kv head once for its g query heads itself from torch 2.5 on (enable_gqa, in the
+# fused kernels on CUDA and on CPU); before, a stride-0 expand gives them the same keys uncopied.
+SDPA_GQA = torch.__version__ >= "2.5"
+
+
+def attention(q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
+    """q (H, T, hd) over a layer's keys and values k, v (Hkv, L, hd) -> (H, T, hd).
+
+    4-D, as SDPA's fused kernels need (flash, memory-efficient and cuDNN on CUDA, flash on CPU):
+    given 3-D tensors it takes the math path, several kernels a layer around a float32 score
+    tensor of every query row against every key. `mask` (T, L) bool, True = may attend;
+    `causal` instead when query i sees keys [0, i] (a prefill from position 0), which lets the
+    fused kernels skip the blocks above the diagonal rather than compute and mask them.
+    """
+    H, T, hd = q.shape
+    Hkv, L = k.shape[:2]
+    if SDPA_GQA:
+        y = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=True
+        )  # (1, H, T, hd)
+        return y[0]
+    g = H // Hkv  # head h uses kv head h // g
+    k = k[:, None].expand(Hkv, g, L, hd)  # (Hkv, g, L, hd), stride 0 over g
+    v = v[:, None].expand(Hkv, g, L, hd)
+    y = F.scaled_dot_product_attention(
+        q.view(Hkv, g, T, hd), k, v, attn_mask=mask, is_causal=causal
+    )
+    return y.reshape(H, T, hd)
 
 
 def trim_heap() -> None:
@@ -255,6 +292,11 @@ class Model(nn.Module):
         # The file's layer matrices were 4-bit (a Q4 GGUF): weights="auto" may pick q4.
         self.file_is_4bit = False
         self.compiled_step = None  # torch.compile'd forward_static (steps.compile_step)
+        self.static_capacity = 0  # KV slots of the compiled step's decoders (compile_steps)
+        # Runs of a (bucket, cache) that compile or record, not run: the first; on CUDA the
+        # second too, which records the CUDA graph (the first runs eagerly to warm up).
+        self.cold_runs = 1
+        self._step_runs: dict[tuple[int, int], int] = {}  # (bucket, id of the cache) -> runs
 
     def extra_repr(self) -> str:
         step = "compiled" if self.compiled_step is not None else "eager"
@@ -272,14 +314,26 @@ class Model(nn.Module):
         return self.weight_kind != "float"
 
     def compile_steps(
-        self, enabled: bool = True, mode: str | None = None, backend: str = "inductor"
+        self,
+        enabled: bool = True,
+        mode: str | None = None,
+        backend: str = "inductor",
+        max_length: int | None = None,
     ) -> Model:
         """Decoders made from now on run decode and verify passes as compiled static-shape
-        steps (enabled=False: eager again). See specfast.targets.torch.steps. Returns self."""
+        steps (enabled=False: eager again). See specfast.targets.torch.steps. Their KV cache
+        has one capacity, for `max_length` tokens (None: the whole context, up to 4095), so
+        generations up to that long share one compile per bucket; a longer decoder gets a
+        larger capacity and compiles again. steps.warmup compiles ahead. Returns self."""
         if enabled and self.int8:
             raise ValueError("int8 weights run eagerly on CPU; compile a float model instead")
+        if max_length is not None and not 0 < max_length <= self.max_context:
+            raise ValueError(f"max_length must be in [1, {self.max_context}], got {max_length}")
         self.unpack()  # a compiled step reads the plain weights (packed_weights keeps them then)
         self.compiled_step = compile_step(self, mode, backend) if enabled else None
+        self.static_capacity = model_capacity(self.max_context, max_length)
+        self.cold_runs = 2 if self.device.type == "cuda" else 1
+        self._step_runs = {}
         return self
 
     @classmethod
@@ -512,11 +566,11 @@ class Model(nn.Module):
         cos, sin = self.rope(L)
         cos, sin = cos[pos:L, None, :], sin[pos:L, None, :]  # (T, 1, hd)
 
-        def attend(i, q, k, v):  # q (Hkv, g*T, hd); k, v (Hkv, T, hd)
+        def attend(i, q, k, v):  # q (H, T, hd); k, v (Hkv, T, hd)
             k_all, v_all = cache.write(i, pos, k, v)  # (Hkv, L, hd)
             if groups:
                 return attend_rows(q, cache.k[i], cache.v[i], groups, g)
-            return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+            return attention(q, k_all, v_all, mask, causal)
 
         # int8 rounds every activation, so a last-bit difference between a verify pass's row
         # and a one-token pass grows into a different token; int8 passes compute every part
@@ -524,15 +578,17 @@ class Model(nn.Module):
         # core (rust/layer.rs); in other dtypes torch computes attention row by row.
         layers = self._layers
         groups = mask = None
+        causal = False
         if self.int8 and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu":
             layers = functools.partial(self._int8_layers, cache=cache, pos=pos)
         elif self.int8 and T <= INT8_SERIAL_ROWS:
             groups = row_groups(pos, T, cache.k.shape[2], ids.device)
+        elif T > 1 and pos == 0:
+            causal = True  # keys [0, T): query i sees [0, i]
         elif T > 1:
             # Query i sits at pos+i and sees keys [0, pos+i] (for T == 1 that is every key: no
-            # mask). Queries are grouped per kv head as (Hkv, g*T, hd): the mask repeats g times.
-            mask = torch.ones(T, L, dtype=torch.bool, device=ids.device).tril_(pos)
-            mask = mask.repeat(g, 1)  # (g*T, L)
+            # mask).
+            mask = torch.ones(T, L, dtype=torch.bool, device=ids.device).tril_(pos)  # (T, L)
 
         packed = self.packed_weights()
         if aux_layers is None:
@@ -560,17 +616,15 @@ class Model(nn.Module):
         live length never count and rollback stays one integer. Padding rows (positions C - 1)
         write into a slot no live query sees. -> (logits (B, V), argmax ids (B,)).
         """
-        c = self.config
-        g = c.n_heads // c.n_kv_heads
         C = k_cache.shape[2]
         cos, sin = cos_table[positions, None, :], sin_table[positions, None, :]  # (B, 1, hd)
         slots = torch.arange(C, device=ids.device)
-        mask = (slots[None, :] <= positions[:, None]).repeat(g, 1)  # (g*B, C)
+        mask = slots[None, :] <= positions[:, None]  # (B, C)
 
-        def attend(i, q, k, v):  # q (Hkv, g*B, hd); k, v (Hkv, B, hd)
+        def attend(i, q, k, v):  # q (H, B, hd); k, v (Hkv, B, hd)
             k_cache[i].index_copy_(1, positions, k)
             v_cache[i].index_copy_(1, positions, v)
-            return F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask)
+            return attention(q, k_cache[i], v_cache[i], mask)
 
         # oneDNN-prepacked weights are opaque to the compiler; inductor lays out its own.
         packed = None if torch.compiler.is_compiling() else self.packed_weights()
@@ -583,7 +637,6 @@ class Model(nn.Module):
         (layer id -> None) gets the residual stream entering each of its layers."""
         c = self.config
         T, H, Hkv, hd = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
-        g = H // Hkv
         for i, layer in enumerate(self.layers):
             if aux is not None and i in aux:
                 aux[i] = x  # (T, D): the input of layer i = the output of layer i - 1
@@ -595,10 +648,8 @@ class Model(nn.Module):
             x1, x2 = qk.chunk(2, dim=-1)
             qk = qk * cos + torch.cat([-x2, x1], dim=-1) * sin  # RoPE on q and k at once
             q, k = qk.split([H, Hkv], dim=1)  # (T, H, hd), (T, Hkv, hd)
-            # (T, H, hd) -> (H, T, hd) -> (Hkv, g*T, hd): head h uses kv head h // g
-            q = q.transpose(0, 1).reshape(Hkv, g * T, hd)
-            y = attend(i, q, k.transpose(0, 1), v.transpose(0, 1))  # (Hkv, g*T, hd)
-            y = y.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
+            y = attend(i, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # (H, T, hd)
+            y = y.transpose(0, 1).reshape(T, H * hd)
             x = x + linear(y, layer.wo.weight, pw[1])
             h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
             gate, up = linear(h, layer.w_gate_up.weight, pw[2]).chunk(2, dim=-1)  # (T, F) each
@@ -676,6 +727,7 @@ class Decoder:
         self.model = model
         self.max_length = max_length
         self.step = model.compiled_step
+        self.cold_passes = 0  # passes that compiled a graph or recorded a CUDA graph
         if self.step is not None:
             model._restore_plain()  # a compiled step reads the plain weights, not the packed
         if self.step is None:
@@ -684,10 +736,11 @@ class Decoder:
             )
             model.rope(max_length)
         else:
-            # A compiled step needs a fixed cache shape: a power-of-two capacity (steps.py), on
-            # buffers kept per model and capacity, so the CUDA graphs recorded for their
-            # addresses replay for the next decoder too.
-            capacity = static_capacity(max_length)
+            # A compiled step needs a fixed cache shape: the model's one capacity (a larger
+            # power of two if this decoder outgrows it), on buffers kept per model and
+            # capacity, so the CUDA graphs recorded for their addresses replay for the next
+            # decoder too.
+            capacity = max(model.static_capacity, static_capacity(max_length))
             self.cache = static_cache(model, capacity)
             # The same tensors every pass, marked static: CUDA graphs read them in place
             # instead of copying them in before each replay.
@@ -771,6 +824,11 @@ class Decoder:
             positions = torch.arange(pos, pos + B, device=ids.device).clamp_max_(C - 1)
             logits, top = self.step(padded, positions, self.cache.k, self.cache.v, cos, sin)
         self.cache.length = pos + T
+        m = self.model
+        key = (B, id(self.cache.k))  # buffers are kept objects (static_cache): one id each
+        m._step_runs[key] = m._step_runs.get(key, 0) + 1
+        if m._step_runs[key] <= m.cold_runs:
+            self.cold_passes += 1
         # CUDA graphs reuse their output buffers on the next replay: hand out copies.
         return logits[:T].clone(), top[:T].clone()
 

@@ -23,6 +23,8 @@ import torch
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 COMPILE_CHOICES = ("auto", "on", "off")
 MIN_CAPACITY = 256
+# A compiled model's KV slots unless it is given a max_length (Model.compile_steps).
+STATIC_SLOTS = 4096
 
 
 def bucket(n: int) -> int:
@@ -38,6 +40,17 @@ def static_capacity(max_length: int) -> int:
     distinct cache shapes exist (each is a compile), and slot capacity - 1 is never live (padding
     rows write there)."""
     return max(MIN_CAPACITY, 1 << max_length.bit_length())
+
+
+def model_capacity(max_context: int, max_length: int | None = None) -> int:
+    """The KV slots of a compiled model's decoders: enough for `max_length` tokens, by default
+    for its whole context up to STATIC_SLOTS - 1. One capacity per model, since each capacity
+    is a compile of every bucket: generate() calls of any length up to it reuse the graphs that
+    warmup() made, and none compiles midway. The cost: every pass attends over all the slots
+    (masked), so a capacity far above what a generation holds reads keys for nothing."""
+    if max_length is None:
+        max_length = min(max_context, STATIC_SLOTS - 1)
+    return static_capacity(max_length)
 
 
 def resolve_compile(compile, device: torch.device) -> bool:
@@ -75,18 +88,30 @@ def compile_step(model, mode: str | None = None, backend: str = "inductor"):
     return torch.compile(model.forward_static, fullgraph=True, dynamic=False, mode=mode)
 
 
-def warmup(model, max_length: int, buckets=BUCKETS, log=sys.stderr) -> dict[int, float]:
-    """Compiles every bucket for the capacity `max_length` needs, printing progress; returns
-    {bucket: seconds}. Later decoders of that capacity start at full speed."""
+def warmup(model, max_length: int | None = None, buckets=BUCKETS, log=True) -> dict:
+    """Runs every bucket's step until it is warm (compiled; on CUDA its graph recorded too) for
+    the capacity of a decoder of `max_length` tokens (None: the model's own capacity), printing
+    progress; returns {bucket: seconds}. Later decoders of that capacity start at full speed,
+    so no generate() pays a compile inside its clock. `log`: True for stderr, None for none, or
+    a file."""
+    log = sys.stderr if log is True else log
+    if max_length is None:
+        max_length = model.static_capacity - 1
     decoder = model.decoder(max_length)
     seconds = {}
-    for b in buckets:
+    for i, b in enumerate(buckets):
         t0 = time.perf_counter()
-        decoder.reset()
-        decoder.forward(torch.zeros(b, dtype=torch.long, device=model.device))
+        for _ in range(model.cold_runs):
+            decoder.reset()
+            decoder.forward(torch.zeros(b, dtype=torch.long, device=model.device))
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         seconds[b] = time.perf_counter() - t0
         if log is not None:
-            print(f"compiled step [{b}] in {seconds[b]:.1f}s", file=log, flush=True)
+            bar = "#" * (i + 1) + "." * (len(buckets) - i - 1)
+            print(
+                f"warming compiled steps [{bar}] {b} tokens in {seconds[b]:.1f} s",
+                file=log,
+                flush=True,
+            )
     return seconds
