@@ -18,15 +18,17 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 
 import pytest
 
 import specfast
 from specfast.generate import encode_text, render_chat
+from specfast.session import corpus_fingerprint
 
 openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
@@ -58,9 +60,9 @@ def start(*args: str) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             pytest.fail(f"specfast serve exited with {proc.returncode}:\n{proc.stderr.read()}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
+            health(url, timeout=1)
+            return proc, url
+        except OSError:
             pass
         time.sleep(0.25)
     stop(proc)
@@ -93,13 +95,31 @@ def client(url: str):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def health(url: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=10).json()
+def post(url: str, data: bytes) -> tuple[int, dict]:
+    """A raw POST (bytes the openai client would not send): (status, JSON body)."""
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def health(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+        return json.loads(r.read())
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with serving("--sessions", "4") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def bare_server():
+    """A server that keeps no session and lets no request wait: the controls, and 429."""
+    with serving("--sessions", "0", "--queue", "0") as url:
         yield url
 
 
@@ -138,8 +158,15 @@ def chat(api, model_id, messages, stream=False, **kw):
     return text, last.model_extra["specfast"], last.usage
 
 
-def reference(model, prompt, n, **kw):
-    return specfast.generate(model, prompt, max_new_tokens=n, **kw)
+_REFERENCE: dict[str, specfast.GenerateOutput] = {}
+
+
+def reference(model, prompt, n):
+    """generate()'s greedy output, once per prompt and length."""
+    key = json.dumps([prompt, n])
+    if key not in _REFERENCE:
+        _REFERENCE[key] = specfast.generate(model, prompt, max_new_tokens=n)
+    return _REFERENCE[key]
 
 
 EDIT = (
@@ -168,8 +195,8 @@ def test_models_and_health(server, api, model_id):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_greedy_equals_generate(api, model_id, smollm, stream):
     messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
-    text, stats, usage = chat(api, model_id, messages, stream=stream, max_tokens=40)
-    want = reference(smollm, messages, 40)
+    text, stats, usage = chat(api, model_id, messages, stream=stream, max_tokens=24)
+    want = reference(smollm, messages, 24)
     assert text == want.text
     ids = encode_text(smollm.tokenizer, render_chat(messages, smollm.chat_template))
     assert usage.prompt_tokens == len(ids)
@@ -177,7 +204,7 @@ def test_chat_greedy_equals_generate(api, model_id, smollm, stream):
     assert stats["target_passes"] >= 1 and stats["mean_acceptance_length"] >= 1
     assert {"draft_tokens", "accepted_tokens", "reused_prompt_tokens"} <= set(stats)
     # Control: the comparison sees the prompt's rendering (the raw text says something else).
-    assert reference(smollm, messages[0]["content"], 40).text != text
+    assert reference(smollm, messages[0]["content"], 24).text != text
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -217,9 +244,9 @@ def conversation(api, model_id, smollm=None) -> list[int]:
     messages, reused = [], []
     for turn in TURNS:
         messages.append({"role": "user", "content": turn})
-        text, stats, _ = chat(api, model_id, messages, max_tokens=48)
+        text, stats, _ = chat(api, model_id, messages, max_tokens=32)
         if smollm is not None:
-            assert text == reference(smollm, messages, 48).text
+            assert text == reference(smollm, messages, 32).text
         reused.append(stats["reused_prompt_tokens"])
         messages.append({"role": "assistant", "content": text})
     return reused
@@ -227,14 +254,12 @@ def conversation(api, model_id, smollm=None) -> list[int]:
 
 def test_a_conversation_reuses_its_cache(api, model_id, smollm):
     reused = conversation(api, model_id, smollm)
-    assert reused[0] == 0 and all(b > a for a, b in itertools.pairwise(reused))
+    # (The first turn may reuse the system prompt other conversations here began with.)
+    assert all(b > a for a, b in itertools.pairwise(reused)) and reused[-1] > reused[0] + 100
 
 
-def test_control_no_sessions_means_no_reuse(tmp_path):
-    with serving("--sessions", "0") as url:
-        api = client(url)
-        reused = conversation(api, api.models.list().data[0].id)
-    assert reused == [0, 0, 0, 0]
+def test_control_no_sessions_means_no_reuse(bare_server, model_id):
+    assert conversation(client(bare_server), model_id) == [0, 0, 0, 0]
 
 
 def test_another_conversation_keeps_the_first_ones_cache(api, model_id):
@@ -329,19 +354,21 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("change,param,words", BAD, ids=[str(i) for i in range(len(BAD))])
-def test_bad_input_gets_400_naming_the_field(server, api, model_id, smollm, change, param, words):
+def test_bad_input_gets_400_naming_the_field(server, api, model_id, smollm):
     body = {"model": model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-    if isinstance(change, dict):
-        data = json.dumps({**body, **change}).encode()
-    else:
-        data = change if isinstance(change, bytes) else json.dumps(change).encode()
-    r = httpx.post(f"{server}/v1/chat/completions", content=data, timeout=60)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == param and words in err["message"], err
-    assert err["type"] == "invalid_request_error"
-    # The server goes on serving, correctly.
+    for change, param, words in BAD:
+        if isinstance(change, dict):
+            data = json.dumps({**body, **change}).encode()
+        else:
+            data = change if isinstance(change, bytes) else json.dumps(change).encode()
+        status, reply = post(f"{server}/v1/chat/completions", data)
+        assert status == 400, (change, reply)
+        err = reply["error"]
+        assert err["param"] == param and words in err["message"], (change, err)
+        assert err["type"] == "invalid_request_error"
+        assert health(server)["status"] == "ok"
+    # Control: the same body, unchanged, is served, correctly.
+    assert post(f"{server}/v1/chat/completions", json.dumps(body).encode())[0] == 200
     text, _, _ = chat(api, model_id, body["messages"], max_tokens=8)
     assert text == reference(smollm, body["messages"], 8).text
 
@@ -349,29 +376,27 @@ def test_bad_input_gets_400_naming_the_field(server, api, model_id, smollm, chan
 def test_bad_completion_prompts(server):
     for prompt in (5, [], [["a"]], "", [10**9]):
         body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": prompt, "max_tokens": 2}
-        r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (prompt, r.text)
+        status, reply = post(f"{server}/v1/completions", json.dumps(body).encode())
+        assert status == 400 and reply["error"]["param"] == "prompt", (prompt, reply)
     good = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "Hi", "max_tokens": 2}
-    assert httpx.post(f"{server}/v1/completions", json=good, timeout=60).status_code == 200
+    assert post(f"{server}/v1/completions", json.dumps(good).encode())[0] == 200
 
 
-def test_a_full_queue_gets_429():
-    with serving("--queue", "0", "--sessions", "1") as url:
-        api = client(url)
-        model_id = api.models.list().data[0].id
-        stream = api.completions.create(
-            model=model_id, prompt="1, 2, 3,", max_tokens=200, temperature=0, stream=True
-        )
-        next(iter(stream))  # it is running now
-        with pytest.raises(openai.RateLimitError) as e:
-            api.completions.create(model=model_id, prompt="Hi", max_tokens=2)
-        assert "busy" in e.value.body["message"]
-        stream.close()
-        deadline = time.monotonic() + 60
-        while health(url)["in_flight"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        # Control: with the queue free again, the same request is served.
-        assert api.completions.create(model=model_id, prompt="Hi", max_tokens=2).choices
+def test_a_full_queue_gets_429(bare_server, model_id):
+    api = client(bare_server)
+    stream = api.completions.create(
+        model=model_id, prompt="1, 2, 3,", max_tokens=200, temperature=0, stream=True
+    )
+    next(iter(stream))  # it is running now
+    with pytest.raises(openai.RateLimitError) as e:
+        api.completions.create(model=model_id, prompt="Hi", max_tokens=2)
+    assert "busy" in e.value.body["message"]
+    stream.close()
+    deadline = time.monotonic() + 60
+    while health(bare_server)["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # Control: with the queue free again, the same request is served.
+    assert api.completions.create(model=model_id, prompt="Hi", max_tokens=2).choices
 
 
 # ----------------------------------------------------------------------------
@@ -385,29 +410,40 @@ def first_turn(url: str):
     return chat(api, model_id, messages, max_tokens=48, k=4)
 
 
-def test_the_corpus_survives_a_restart_and_a_damaged_one_is_refused(tmp_path):
+def test_the_corpus_survives_a_restart(tmp_path):
     path = tmp_path / "serve.corpus"
     with serving("--corpus", str(path)) as url:
         text, fresh, _ = first_turn(url)
-    assert path.is_file()
+    assert path.is_file()  # written on shutdown
     with serving("--corpus", str(path)) as url:
         again, learned, _ = first_turn(url)
     assert again == text
+    # Control: the first run is this turn without the corpus (k is fixed, so drafting is
+    # deterministic); a server that did not load the file would accept exactly as many.
     assert learned["accepted_tokens"] > fresh["accepted_tokens"]
-    with serving() as url:  # control: without the corpus, the same turn drafts as the first
-        assert first_turn(url)[1]["accepted_tokens"] == fresh["accepted_tokens"]
 
+
+def test_a_damaged_corpus_is_refused_and_left_as_it_was(tmp_path, smollm, monkeypatch, capsys):
+    from specfast.cli import main
+    from specfast.serve.pool import CorpusError, load_corpus
+
+    path = tmp_path / "damaged.corpus"
+    good = specfast.NgramDrafter()
+    good.add_document(list(range(100)))
+    good.save(path, fingerprint=corpus_fingerprint(smollm))
+    assert load_corpus(str(path), smollm, reset=False).corpus_tokens == 100  # control
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    port = free_port()
-    cmd = [sys.executable, "-m", "specfast", "serve", "--port", str(port), "--dtype", "float32"]
-    r = subprocess.run([*cmd, "--corpus", str(path)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "cannot load the corpus" in r.stderr, r.stderr
-    assert "--corpus-reset" in r.stderr
-    assert path.read_bytes() == bytes(data)  # left as it was
-    with serving("--corpus", str(path), "--corpus-reset") as url:
-        assert health(url)["corpus_tokens"] == 0
+    with pytest.raises(CorpusError, match="--corpus-reset"):
+        load_corpus(str(path), smollm, reset=False)
+    assert load_corpus(str(path), smollm, reset=True).corpus_tokens == 0
+    # The command refuses to start, says why, and leaves the file alone.
+    monkeypatch.setattr(specfast, "load_model", lambda *a, **kw: smollm)
+    assert main(["serve", "--corpus", str(path), "--port", str(free_port())]) == 1
+    err = capsys.readouterr().err
+    assert "cannot load the corpus" in err and "--corpus-reset" in err
+    assert path.read_bytes() == bytes(data)
 
 
 def test_cli_help_names_the_options():
