@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -56,12 +57,26 @@ class Job:
     ids: list[int]
     max_new_tokens: int
     loop: asyncio.AbstractEventLoop
+    on_end: Any = None  # called on the event loop before the last event is delivered
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    ended: bool = False
 
     def put(self, kind: str, value: Any = None) -> None:
-        """From the worker thread: hand an event to the request's coroutine."""
+        """From the worker thread: hand text to the request's coroutine."""
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+    def end(self, kind: str, value: Any = None) -> None:
+        """From the worker thread: the last event ("done", "error" or "cancelled"). The server
+        counts the job out before its client hears of it, so a client's next request never
+        finds this one still in the queue."""
+        self.ended = True
+        self.loop.call_soon_threadsafe(self._deliver, kind, value)
+
+    def _deliver(self, kind: str, value: Any) -> None:
+        if self.on_end is not None:
+            self.on_end(self)
+        self.events.put_nowait((kind, value))
 
 
 @dataclass
@@ -134,8 +149,9 @@ class Server:
             )
         self.in_flight += 1
         self.jobs.add(job)
+        job.on_end = self.done
         future = self.executor.submit(self.generate, job)
-        future.add_done_callback(lambda _: job.loop.call_soon_threadsafe(self.done, job))
+        future.add_done_callback(lambda _: job.ended or job.end("cancelled"))  # never ran
 
     def done(self, job: Job) -> None:
         self.in_flight -= 1
@@ -146,7 +162,7 @@ class Server:
     def generate(self, job: Job) -> None:
         """Serves one job: picks its Session, generates, streams text, feeds the corpus."""
         if job.cancelled.is_set():
-            job.put("cancelled")
+            job.end("cancelled")
             return
         req = job.req
         try:
@@ -163,14 +179,17 @@ class Server:
             )
         except Disconnected:
             self.cancelled += 1
-            job.put("cancelled")
+            job.end("cancelled")
             return
         except Exception as e:  # a bad request the checks let through; the server goes on
-            job.put("error", e)
+            job.end("error", e)
             return
         self.served += 1
-        self.pool.finished(job.ids[keep:] + out.token_ids, self.save_every)
-        job.put("done", out)
+        try:
+            self.pool.finished(job.ids[keep:] + out.token_ids, self.save_every)
+        except (OSError, ValueError) as e:  # the server's problem, not this reply's
+            print(f"specfast serve: could not write the corpus: {e}", file=sys.stderr)
+        job.end("done", out)
 
     def streamer(self, job: Job):
         """Called once a round with the new text: relays it, or stops a cancelled job."""
@@ -321,6 +340,7 @@ def build_app(server: Server) -> Starlette:
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def health(request: HTTPRequest):
+        corpus = server.pool.corpus
         return JSONResponse(
             {
                 "status": "ok",
@@ -329,7 +349,7 @@ def build_app(server: Server) -> Starlette:
                 "in_flight": server.in_flight,
                 "served": server.served,
                 "cancelled": server.cancelled,
-                "corpus_tokens": server.pool.corpus.corpus_tokens if server.pool.corpus else 0,
+                "corpus_tokens": 0 if corpus is None else corpus.corpus_tokens,
             }
         )
 
