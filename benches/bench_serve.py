@@ -230,7 +230,7 @@ def main() -> None:
             "chat": list(OPEN_QUESTIONS[:4]),
         }
         results: dict = {"info": info}
-        for name in args.workloads.split(","):
+        for name in filter(None, args.workloads.split(",")):
             print(f"\n{name}\n{header(engines)}", flush=True)
             results[name] = conversation(clients, workloads[name], args.tokens, tokenizer)
             for e in engines:
