@@ -33,6 +33,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -69,12 +70,14 @@ def command(engine: str, model: str, port: int, args) -> list[str]:
 
 def start(cmd: list[str], timeout: float = 300) -> tuple[subprocess.Popen, str]:
     port = cmd[cmd.index("--port") + 1]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Its log goes to a file: an unread pipe fills up and blocks the server (llama.cpp's is long).
+    log = tempfile.NamedTemporaryFile("w+", prefix="bench_serve_", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://{HOST}:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:4]} exited: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"{cmd[:4]} exited; its log: {log.name}")
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=1):
                 return proc, url

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -48,17 +49,21 @@ def start(*args: str) -> tuple[subprocess.Popen, str]:
     /health answers (a bounded wait), or fails with the server's stderr."""
     port = free_port()
     cmd = [sys.executable, "-m", "specfast", "serve", "--host", HOST, "--port", str(port)]
+    # The log goes to a file: a pipe nobody reads would block the server once full.
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by stop())
     proc = subprocess.Popen(
         [*cmd, "--dtype", "float32", "--max-length", "2048", *args],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
     )
+    proc.log = log  # type: ignore[attr-defined]
     url = f"http://{HOST}:{port}"
     deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"specfast serve exited with {proc.returncode}:\n{proc.stderr.read()}")
+            log.seek(0)
+            pytest.fail(f"specfast serve exited with {proc.returncode}:\n{log.read()}")
         try:
             health(url, timeout=1)
             return proc, url
@@ -78,7 +83,7 @@ def stop(proc: subprocess.Popen) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    proc.stderr.close()
+    proc.log.close()
     return proc.returncode
 
 
