@@ -48,6 +48,7 @@ from bench_session import agent_turns, edit_turns
 
 HOST = "127.0.0.1"
 ENGINES = ("specfast", "specfast-llama", "llama-server")
+SPECFAST: set[str] = set()  # base URLs of the specfast servers
 
 
 def free_port() -> int:
@@ -99,9 +100,13 @@ def stop(proc: subprocess.Popen) -> None:
 def turn(client, model_id: str, messages: list[dict], max_tokens: int, tokenizer) -> dict:
     """One streamed greedy request: text, TTFT, decode rate, and specfast's stats if any."""
     t0 = time.perf_counter()
+    # specfast sends its stats on the usage chunk; llama-cpp-python's server is asked nothing
+    # it might not know.
+    usage = {"stream_options": {"include_usage": True}} if str(client.base_url) in SPECFAST else {}
     stream = client.chat.completions.create(
-        model=model_id, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
-    )
+        model=model_id, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        **usage,
+    )  # fmt: skip
     text, first, last, extra = "", None, None, {}
     for chunk in stream:
         extra = (chunk.model_extra or {}).get("specfast") or extra
@@ -179,6 +184,7 @@ def memory(model: str, args, tokenizer) -> list[dict]:
     cmd += ["--sessions", str(args.sessions), "--max-length", str(args.n_ctx)]
     proc, url = start(cmd)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    SPECFAST.add(str(client.base_url))
     model_id = client.models.list().data[0].id
     rows = [{"sessions": 0, "rss_mib": rss_kib(proc.pid) / 1024}]
     for i in range(args.sessions):
@@ -224,6 +230,8 @@ def main() -> None:
             proc, url = start(command(e, model, free_port(), args))
             procs.append(proc)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            if e.startswith("specfast"):
+                SPECFAST.add(str(client.base_url))
             model_id = client.models.list().data[0].id
             turn(client, model_id, [{"role": "user", "content": "Hi"}], 4, tokenizer)  # warm-up
             clients[e] = (client, model_id)
