@@ -105,6 +105,36 @@ def test_sampled_turns_equal_generate_with_the_same_seed():
         assert out.token_ids == want.token_ids
 
 
+def test_send_context_keeps_the_shared_prefix_and_equals_generate():
+    # A server's requests: each the whole context, which may continue or cut back the session.
+    model = tiny()
+    s = Session(model, max_new_tokens=12, ignore_eos=True)
+    a, b, c = messages(3, seed=9)
+    first = s.send_context(a)
+    assert first.token_ids == plain(model, a, 12, ignore_eos=True)
+    grown = s.token_ids + b  # the next turn: everything kept
+    out = s.send_context(grown)
+    assert out.token_ids == plain(model, grown, 12, ignore_eos=True)
+    assert out.stats.reused_tokens == len(a) + 12 - 1 and len(s.history) == 2
+    cut = a[:5] + c  # parts inside the first turn: both turns go, the prefix's cache stays
+    out = s.send_context(cut)
+    assert out.token_ids == plain(model, cut, 12, ignore_eos=True)
+    assert out.stats.reused_tokens == 5 and len(s.history) == 1
+    assert s.history[0].start == 0 and s.token_ids == cut + out.token_ids
+    s.rewind(1)
+    assert s.token_ids == [] and s.cached_tokens == 0
+
+
+def test_negative_control_send_context_that_appends_is_caught():
+    # Appending (what send() does with ids) instead of replacing gives another context.
+    model = tiny()
+    s = Session(model, max_new_tokens=12, ignore_eos=True)
+    a, c = messages(2, seed=9)
+    s.send(a)
+    out = s.send(a[:5] + c)
+    assert out.token_ids != plain(model, a[:5] + c, 12, ignore_eos=True)
+
+
 def test_fork_continues_independently():
     model = tiny()
     s = Session(model, max_new_tokens=12, ignore_eos=True)

@@ -176,14 +176,33 @@ class Session:
         """Continues the conversation by one reply; kwargs override the session's defaults.
 
         A str gets the chat template; a list of ids (or a 1-D tensor) is appended as-is."""
+        settings = self._settings(kwargs)
+        return self._turn(message, self._context_for(message), settings, self._turns, None)
+
+    def send_context(self, ids: list[int], **kwargs: Any) -> GenerateOutput:
+        """Continues from `ids`, the whole context as the caller rendered it (a server's request):
+        the session keeps what `ids` shares with its tokens and prefills the rest, as send()
+        does. Turns that end past the shared part are dropped, and the new turn (a token-id
+        turn) starts where the last kept one ends, so rewind(1) goes back to that point."""
+        settings = self._settings(kwargs)
+        ids = prompt_to_ids(ids, None, self.vocab_size, self.device)
+        keep = common_prefix(ids, self._ids)
+        turns = [t for t in self._turns if _end(t) <= keep]
+        start = _end(turns[-1]) if turns else 0
+        return self._turn(ids[start:], ids, settings, turns, start)
+
+    def _settings(self, kwargs: dict[str, Any]):
         fixed = sorted(set(kwargs) & set(SESSION_OPTIONS))
         if fixed:
             raise TypeError(f"{fixed} are fixed when the Session starts; pass them to Session()")
         unknown = sorted(set(kwargs) - set(PER_TURN_OPTIONS))
         if unknown:
             raise TypeError(f"unknown send() option(s) {unknown}; allowed: {PER_TURN_OPTIONS}")
-        settings = check_settings(self.model, self.tokenizer, **{**self.defaults, **kwargs})
-        ids = self._context_for(message)
+        return check_settings(self.model, self.tokenizer, **{**self.defaults, **kwargs})
+
+    def _turn(self, message, ids, settings, turns, start: int | None) -> GenerateOutput:
+        """Runs one turn continuing `ids`; on success the history is `turns` plus this one,
+        which starts at `start` (None: where the cache's reuse ends, as send() records it)."""
         if len(ids) + settings.max_new_tokens > self.max_length:
             raise ValueError(
                 f"the conversation ({len(ids)} tokens with this message) + max_new_tokens "
@@ -205,9 +224,11 @@ class Session:
             self._restore(before_ids, min(cache_keep, before_cache))
             raise
         self._ids = ids + out.token_ids
-        self._turns.append(
-            Turn(_message_copy(message), keep, ids[keep:], list(out.token_ids), out.text)
-        )
+        start = keep if start is None else start
+        self._turns = [
+            *turns,
+            Turn(_message_copy(message), start, ids[start:], list(out.token_ids), out.text),
+        ]
         if self.corpus_path is not None:
             self._drafter.inner.add_document(ids[keep:] + out.token_ids)
             self._drafter.inner.save(self.corpus_path, fingerprint=self.fingerprint)
@@ -320,6 +341,11 @@ def corpus_fingerprint(model, tokenizer=None) -> str:
     if tokenizer is not None and callable(getattr(tokenizer, "get_vocab", None)):
         return tokenizer_fingerprint(tokenizer)
     return f"vocab={model_facts(model)[0]};no-tokenizer"
+
+
+def _end(turn: Turn) -> int:
+    """Where a turn's tokens end in the conversation's token ids."""
+    return turn.start + len(turn.prompt_ids) + len(turn.reply_ids)
 
 
 def _message_copy(message):

@@ -6,6 +6,7 @@ Lines are messages; these are commands:
   /stats        the last turn's speed, acceptance and cache reuse
   /quit         leave (so does end of input)
 Ctrl-C during a reply drops that turn (the session stays as it was before it) and goes on.
+`specfast serve` offers the same conversations to any OpenAI client (docs/serve.md).
 """
 
 from __future__ import annotations
