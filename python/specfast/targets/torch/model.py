@@ -229,12 +229,19 @@ def attention(q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
     """
     H, T, hd = q.shape
     Hkv, L = k.shape[:2]
+    g = H // Hkv  # head h uses kv head h // g
+    if q.device.type == "cpu" and not causal:
+        # Decode and verify passes on a CPU: a kv head's g query heads as one (g*T)-row batch
+        # item. The 4-D call took up to 1.28x as long for 2-9 rows on one thread here
+        # (benches/bench_attention.py); a causal prefill (2.5x faster at 2048) still takes it.
+        mask = None if mask is None else mask.repeat(g, 1)  # (g*T, L)
+        y = F.scaled_dot_product_attention(q.reshape(Hkv, g * T, hd), k, v, attn_mask=mask)
+        return y.reshape(H, T, hd)
     if SDPA_GQA:
         y = F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=True
         )  # (1, H, T, hd)
         return y[0]
-    g = H // Hkv  # head h uses kv head h // g
     k = k[:, None].expand(Hkv, g, L, hd)  # (Hkv, g, L, hd), stride 0 over g
     v = v[:, None].expand(Hkv, g, L, hd)
     y = F.scaled_dot_product_attention(
