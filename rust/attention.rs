@@ -690,7 +690,7 @@ unsafe fn bundle<V: Lanes>(
 }
 
 /// Continues an item's even and odd chains (`state`: even then odd, hd each) over one tile of
-/// keys (`p` their weights, `vt` their values), as `lane_groups_whole` runs them over all keys:
+/// keys (`p` their weights, `vt` their values), as `lane_groups` runs them over all keys:
 /// even keys into the even chain, odd ones into the odd one, a last unpaired key into the even
 /// one. The tile starts on an even key.
 #[inline(always)]
@@ -902,61 +902,9 @@ unsafe fn head_lanes<V: Lanes>(vh: &[f32], hd: usize, j: usize, c: usize) -> V {
     }
 }
 
-/// Lane-groups c0..c0+G of `weighted_sum`. A head of whole lanes takes the loop without
-/// tails: with the tail test inside it, LLVM kept the 16 accumulators on the stack.
 #[inline(always)]
+#[allow(clippy::needless_range_loop)] // even[g], odd[g] and chunk c0 + g together
 unsafe fn lane_groups<V: Lanes, const G: usize>(
-    p: &[f32],
-    vh: &[f32],
-    hd: usize,
-    c0: usize,
-    acc: &mut [f32],
-) {
-    if hd.is_multiple_of(LANES) {
-        lane_groups_whole::<V, G>(p, vh, hd, c0, acc);
-    } else {
-        lane_groups_tail::<V, G>(p, vh, hd, c0, acc);
-    }
-}
-
-/// `lane_groups` where hd is whole lanes: the same multiply-adds in the same order.
-#[inline(always)]
-#[allow(clippy::needless_range_loop)] // even[g], odd[g] and chunk c0 + g together
-unsafe fn lane_groups_whole<V: Lanes, const G: usize>(
-    p: &[f32],
-    vh: &[f32],
-    hd: usize,
-    c0: usize,
-    acc: &mut [f32],
-) {
-    debug_assert!(vh.len() >= p.len() * hd && (c0 + G) * LANES <= hd);
-    let (pp, vp) = (p.as_ptr(), vh.as_ptr().add(c0 * LANES));
-    let mut even = [V::zero(); G];
-    let mut odd = [V::zero(); G];
-    let mut j = 0;
-    while j + 2 <= p.len() {
-        let (p0, p1) = (V::splat(*pp.add(j)), V::splat(*pp.add(j + 1)));
-        let (r0, r1) = (vp.add(j * hd), vp.add((j + 1) * hd));
-        for g in 0..G {
-            even[g] = V::fma(p0, V::load(r0.add(g * LANES)), even[g]);
-            odd[g] = V::fma(p1, V::load(r1.add(g * LANES)), odd[g]);
-        }
-        j += 2;
-    }
-    if j < p.len() {
-        let (p0, r0) = (V::splat(*pp.add(j)), vp.add(j * hd));
-        for g in 0..G {
-            even[g] = V::fma(p0, V::load(r0.add(g * LANES)), even[g]);
-        }
-    }
-    for g in 0..G {
-        V::add(even[g], odd[g]).store(acc.as_mut_ptr().add((c0 + g) * LANES));
-    }
-}
-
-#[inline(always)]
-#[allow(clippy::needless_range_loop)] // even[g], odd[g] and chunk c0 + g together
-unsafe fn lane_groups_tail<V: Lanes, const G: usize>(
     p: &[f32],
     vh: &[f32],
     hd: usize,

@@ -380,6 +380,20 @@ def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def load_args_model(args, model_path):
+    """The torch runtime's model from the command's --device, --dtype, --compile and --weights;
+    its header (the choices made) goes to stderr."""
+    model = specfast.load_model(
+        str(model_path),
+        device=args.device,
+        dtype=args.dtype,
+        compile=args.compile,
+        weights=args.weights,
+    )
+    print(runtime_header(model, args.device), file=sys.stderr)
+    return model
+
+
 def runtime_header(model, device: str) -> str:
     """One line naming what runs: dtype chosen, step kind and the CPU flags behind the choice."""
     step = "compiled" if getattr(model, "compiled_step", None) is not None else "eager"
@@ -463,14 +477,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--corpus needs the n-gram drafter (--drafter ngram)")
     model_path = resolve_model(args.model)
     _check_device(args.device)
-    model = specfast.load_model(
-        str(model_path),
-        device=args.device,
-        dtype=args.dtype,
-        compile=args.compile,
-        weights=args.weights,
-    )
-    print(runtime_header(model, args.device), file=sys.stderr)
+    model = load_args_model(args, model_path)
     if args.chat:
         prompt = render_chat([{"role": "user", "content": prompt}], model.chat_template)
     ids = list(model.tokenizer.encode(prompt).ids)
@@ -576,14 +583,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             str(model_path), backend="llama.cpp", n_ctx=n_ctx, verbose=False
         )
     else:
-        model = specfast.load_model(
-            str(model_path),
-            device=args.device,
-            dtype=args.dtype,
-            compile=args.compile,
-            weights=args.weights,
-        )
-        print(runtime_header(model, args.device), file=sys.stderr)
+        model = load_args_model(args, model_path)
     try:
         corpus = load_corpus(args.corpus, model, args.corpus_reset)
     except CorpusError as e:
