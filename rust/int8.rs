@@ -341,11 +341,12 @@ pub(crate) fn check_product(
 }
 
 /// A pass's activations: (n, width) int8 values (as u8 = q + 128 if `unsigned`, for the VNNI
-/// path, which subtracts 128 · Σw afterwards), one scale per row and group, and which rows were
-/// not finite.
+/// path, which subtracts 128 · Σw afterwards), one scale and one sum of the int8 values per row
+/// and group, and which rows were not finite.
 pub(crate) struct Activations {
     pub(crate) q: Vec<i8>,
     pub(crate) scales: Vec<f32>, // (n, width / GROUP)
+    pub(crate) sums: Vec<i32>,   // (n, width / GROUP): Σ q, before the unsigned shift
     pub(crate) bad: Vec<bool>,
     pub(crate) width: usize,
 }
@@ -361,16 +362,31 @@ impl Activations {
         let groups = width / GROUP;
         let mut q = vec![0i8; n * width];
         let mut scales = vec![0.0f32; n * groups];
+        let mut sums = vec![0i32; n * groups];
         let mut bad = vec![false; n];
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = is_x86_feature_detected!("avx2");
         for r in 0..n {
             let row = &x[r * cols..(r + 1) * cols];
-            bad[r] = row.iter().any(|v| !v.is_finite());
             for g in 0..groups {
                 let (lo, hi) = (g * GROUP, ((g + 1) * GROUP).min(cols));
-                if lo < hi {
-                    let dst = &mut q[r * width + lo..r * width + hi];
-                    scales[r * groups + g] = quantize(&row[lo..hi], dst);
+                if lo >= hi {
+                    continue;
                 }
+                let dst = &mut q[r * width + lo..r * width + hi];
+                let at = r * groups + g;
+                #[cfg(target_arch = "x86_64")]
+                if avx2 && hi - lo == GROUP {
+                    // SAFETY: the CPU has AVX2 (checked above); both slices hold GROUP values.
+                    let finite;
+                    (scales[at], sums[at], finite) =
+                        unsafe { x86::quantize_group(&row[lo..hi], dst) };
+                    bad[r] |= !finite;
+                    continue;
+                }
+                bad[r] |= row[lo..hi].iter().any(|v| !v.is_finite());
+                scales[at] = quantize(&row[lo..hi], dst);
+                sums[at] = dst.iter().map(|&v| i32::from(v)).sum();
             }
         }
         if unsigned {
@@ -381,6 +397,7 @@ impl Activations {
         Activations {
             q,
             scales,
+            sums,
             bad,
             width,
         }
@@ -468,6 +485,57 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{BLOCK, GROUP, ROWS};
+
+    /// [`super::quantize`] of one group of 32 values, the sum of the int8 values, and whether
+    /// all were finite. The same operations lane by lane (|v| max, v / scale, clamp, round half
+    /// to even), so the same values where all are finite; where not, the row's output is NaN.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn quantize_group(x: &[f32], out: &mut [i8]) -> (f32, i32, bool) {
+        debug_assert!(x.len() == GROUP && out.len() == GROUP);
+        let p = x.as_ptr();
+        let v = [0, 8, 16, 24].map(|i| _mm256_loadu_ps(p.add(i)));
+        // v - v is 0 where v is finite and NaN where not; OR keeps any NaN's bits.
+        let nan = v.iter().fold(_mm256_setzero_ps(), |a, &vi| {
+            _mm256_or_ps(a, _mm256_sub_ps(vi, vi))
+        });
+        let finite = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(nan, nan)) == 0;
+        let sign = _mm256_set1_ps(-0.0);
+        let m = v.iter().fold(_mm256_setzero_ps(), |m, &vi| {
+            _mm256_max_ps(m, _mm256_andnot_ps(sign, vi))
+        });
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+        if amax == 0.0 {
+            out.fill(0);
+            return (0.0, 0, finite);
+        }
+        let scale = amax / 127.0;
+        let (s, hi, lo) = (
+            _mm256_set1_ps(scale),
+            _mm256_set1_ps(127.0),
+            _mm256_set1_ps(-127.0),
+        );
+        // Round half to even, as the scalar path's (t + 1.5·2^23) - 1.5·2^23 does.
+        let q = v.map(|vi| {
+            _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(_mm256_div_ps(vi, s), hi), lo))
+        });
+        let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let sum = _mm_add_epi32(
+            _mm256_castsi256_si128(sum),
+            _mm256_extracti128_si256(sum, 1),
+        );
+        let sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0b0100_1110));
+        let sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0b1011_0001));
+        // i32 -> i16 -> i8 packs work within 128-bit lanes; the permute puts them back in order.
+        let w = _mm256_packs_epi16(
+            _mm256_packs_epi32(q[0], q[1]),
+            _mm256_packs_epi32(q[2], q[3]),
+        );
+        let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(out.as_mut_ptr().cast(), w);
+        (scale, _mm_cvtsi128_si32(sum), finite)
+    }
 
     /// VNNI: one vpdpbusd per row, block and run of 4 features (u8 activations, s8 weights);
     /// each broadcast of a row's 4 activations feeds both blocks of a pair.
@@ -679,6 +747,42 @@ pub(crate) mod tests {
         .into_iter()
         .filter(|k| k.supported())
         .collect()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_quantization_gives_the_scalar_values() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        // Random groups, a group of zeros, and groups whose quotients fall on halves (ties
+        // round to even) and on the ±127 ends.
+        let mut groups: Vec<Vec<f32>> = (0..200).map(|s| lcg(s, GROUP)).collect();
+        groups.push(vec![0.0; GROUP]);
+        groups.push((0..GROUP).map(|i| i as f32 - 15.5).collect());
+        groups.push(
+            (0..GROUP)
+                .map(|i| (i as f32 - 16.0) * 127.0 / 16.0)
+                .collect(),
+        );
+        for x in &groups {
+            let (mut a, mut b) = ([0i8; GROUP], [0i8; GROUP]);
+            let scale = quantize(x, &mut a);
+            // SAFETY: AVX2 was checked above.
+            let got = unsafe { x86::quantize_group(x, &mut b) };
+            let sum: i32 = a.iter().map(|&v| i32::from(v)).sum();
+            assert_eq!(
+                (got.0.to_bits(), got.1, got.2),
+                (scale.to_bits(), sum, true)
+            );
+            assert_eq!(a, b);
+        }
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x = lcg(7, GROUP);
+            x[GROUP - 1] = bad;
+            // SAFETY: as above.
+            assert!(!unsafe { x86::quantize_group(&x, &mut [0i8; GROUP]) }.2);
+        }
     }
 
     #[test]

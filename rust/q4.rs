@@ -173,7 +173,7 @@ impl Q4Matrix {
             return Ok(());
         }
         let acts = Activations::quantize(x, n, self.cols, self.width, false);
-        let sums = group_sums(&acts, n);
+        let sums = group_sums(&acts);
         let blocks = self.rows.div_ceil(BLOCK);
         let out_ptr = SendPtr(out.as_mut_ptr());
         let run = |range: std::ops::Range<usize>| {
@@ -294,16 +294,12 @@ fn has_f16c() -> bool {
 }
 
 /// Per row and group: sx · Σ xq, the group's activation sum (for the m · Σ x term).
-fn group_sums(acts: &Activations, n: usize) -> Vec<f32> {
-    let groups = acts.width / GROUP;
-    let mut sums = vec![0.0f32; n * groups];
-    for (r, row) in acts.q.chunks_exact(acts.width).enumerate() {
-        for (g, xs) in row.chunks_exact(GROUP).enumerate() {
-            let s: i32 = xs.iter().map(|&v| i32::from(v)).sum();
-            sums[r * groups + g] = acts.scales[r * groups + g] * s as f32;
-        }
-    }
-    sums
+fn group_sums(acts: &Activations) -> Vec<f32> {
+    acts.scales
+        .iter()
+        .zip(&acts.sums)
+        .map(|(&s, &t)| s * t as f32)
+        .collect()
 }
 
 /// One block of 16 output rows: its packed values and its d and m ([groups][16]).
