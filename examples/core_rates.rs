@@ -3,7 +3,8 @@
 //!     cargo run --release --example core_rates
 //!
 //! - the peak rate of one core: vpmaddubsw (32 int8 multiply-adds) and float32 FMA (8), each in
-//!   independent chains, so throughput and not latency is timed;
+//!   independent chains, so throughput and not latency is timed; and vpmaddubsw with the i16
+//!   add and the broadcast operand that the q4 kernel needs beside each one;
 //! - SmolLM2-135M's 120 layer matrices in 4-bit (q4) and its output matrix in int8, at 1-16
 //!   rows, with both threads (`helper`), distinct matrices so that the weights come from memory;
 //! - attention of 9 query heads over 3 kv heads (head size 64) at 1 and 9 rows after 500 and
@@ -45,7 +46,7 @@ fn fastest(tries: usize, mut f: impl FnMut()) -> f64 {
 mod peak {
     use std::arch::x86_64::{
         __m256, __m256i, _mm256_add_epi16, _mm256_add_ps, _mm256_fmadd_ps, _mm256_maddubs_epi16,
-        _mm256_set1_epi8, _mm256_set1_ps,
+        _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_si256,
     };
 
     /// n rounds of 8 independent vpmaddubsw chains.
@@ -56,6 +57,24 @@ mod peak {
         for _ in 0..n {
             for a in &mut acc {
                 *a = _mm256_maddubs_epi16(*a, x);
+            }
+        }
+        acc.iter().fold(acc[0], |s, &a| _mm256_add_epi16(s, a))
+    }
+
+    /// n rounds of the q4 kernel's inner step without its unpacking and epilogue: 8 vpmaddubsw,
+    /// each with the vpaddw into its i16 sums, on 4 weight registers and 2 broadcast operands.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn maddubs_step(n: usize, xs: &[i32; 64]) -> __m256i {
+        let w = [3, 5, 7, 9].map(|v| _mm256_set1_epi8(std::hint::black_box(v)));
+        let mut acc = [_mm256_setzero_si256(); 8];
+        for i in 0..n {
+            let x = [
+                _mm256_set1_epi32(xs[i & 63]),
+                _mm256_set1_epi32(xs[(i + 1) & 63]),
+            ];
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(w[j & 3], x[(j >> 2) ^ (j & 1)]));
             }
         }
         acc.iter().fold(acc[0], |s, &a| _mm256_add_epi16(s, a))
@@ -89,6 +108,15 @@ fn peak_rates() {
         "one core: {:.2} G vpmaddubsw/s ({:.0} G int8 multiply-adds/s)",
         8.0 * n as f64 / t / 1e9,
         256.0 * n as f64 / t / 1e9
+    );
+    let xs: [i32; 64] = std::array::from_fn(|i| i32::try_from(i).unwrap_or(0));
+    // SAFETY: as above.
+    let t = fastest(3, || {
+        std::hint::black_box(unsafe { peak::maddubs_step(n, &xs) });
+    });
+    println!(
+        "one core: {:.2} G vpmaddubsw/s with their i16 adds and broadcasts (the q4 step)",
+        8.0 * n as f64 / t / 1e9,
     );
     // SAFETY: as above.
     let t = fastest(3, || {
