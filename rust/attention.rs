@@ -1105,19 +1105,22 @@ mod tests {
 
     #[test]
     fn every_path_gives_the_same_bits() {
-        let d = Dims {
-            rows: 5,
-            heads: 6,
-            kv_heads: 2,
-            head_dim: 72,
-            capacity: 300,
-            pos: 210,
-        };
-        let (q, k, v) = case(&d, 11);
-        let portable = run(&q, &k, &v, &d, Path::Portable);
-        for path in [Path::Avx2, Path::Avx512] {
-            if path.supported() {
-                assert_eq!(run(&q, &k, &v, &d, path), portable, "{path:?}");
+        // 72: items one at a time; 64: bundles, and scores four keys at a time.
+        for head_dim in [72, 64] {
+            let d = Dims {
+                rows: 5,
+                heads: 6,
+                kv_heads: 2,
+                head_dim,
+                capacity: 300,
+                pos: 210,
+            };
+            let (q, k, v) = case(&d, 11);
+            let portable = run(&q, &k, &v, &d, Path::Portable);
+            for path in [Path::Avx2, Path::Avx512] {
+                if path.supported() {
+                    assert_eq!(run(&q, &k, &v, &d, path), portable, "{path:?} {head_dim}");
+                }
             }
         }
     }
