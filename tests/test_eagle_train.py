@@ -138,17 +138,19 @@ def reference_chain(head, feats, tokens, embed, t: int, steps: int, own=False) -
     previous output hidden state, its token (the text's, or with `own` the draft it just made)
     and every key so far. -> logits of each step at t."""
     c = head.config
-    nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     m = head.midlayer
     ks, vs = [], []
+    cos_t, sin_t = head.rope(t + steps)
+
+    def rotate(x, p):  # RoPE at position p, rotate-half layout
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos_t[p] + torch.cat([-x2, x1], dim=-1) * sin_t[p]
 
     def one(emb, hidden, p):  # one position p, attending to everything cached so far
         x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)])
-        q = m.self_attn.q_proj(x).view(nh, hd)
-        k = m.self_attn.k_proj(x).view(nkv, hd)
-        cos, sin = head.rope(torch.tensor([p]))
-        q = q * cos[0] + et._rotate_half(q) * sin[0]
-        k = k * cos[0] + et._rotate_half(k) * sin[0]
+        q = rotate(m.self_attn.q_proj(x).view(nh, hd), p)
+        k = rotate(m.self_attn.k_proj(x).view(nkv, hd), p)
         ks.append(k)
         vs.append(m.self_attn.v_proj(x).view(nkv, hd))
         K = torch.stack(ks).repeat_interleave(nh // nkv, dim=1)  # (P, nh, hd)
@@ -163,7 +165,7 @@ def reference_chain(head, feats, tokens, embed, t: int, steps: int, own=False) -
         out = one(embed[tokens[p + 1]], head.fc(feats[p]), p)
     logits = [head.logits(out[None])[0]]
     for j in range(1, steps):
-        tok = head.draft_ids[logits[-1].argmax()] if own else tokens[t + 1 + j]
+        tok = head.target_ids[logits[-1].argmax()] if own else tokens[t + 1 + j]
         out = one(embed[tok], out, t + j)
         logits.append(head.logits(out[None])[0])
     return logits
@@ -180,6 +182,7 @@ def test_training_time_test_sees_what_drafting_sees():
     ids = torch.randint(0, 200, (14,), generator=torch.Generator().manual_seed(2))
     feats, _, _ = ed.target_features(target, ids, [1, 3, 4])
     embed = target.embed.weight
+    head.bind_embedding(embed)
     steps = 4
     # the TTT forward, as ttt_loss runs it
     T = len(ids) - 1
@@ -188,7 +191,7 @@ def test_training_time_test_sees_what_drafting_sees():
     with torch.no_grad():
         for s in range(steps):
             idx = (pos + 1 + s).clamp_max(len(ids) - 1)
-            hidden = head.step(embed[ids[idx]], hidden, pos + s, keys, values)
+            hidden = et.ttt_step(head, ids[idx], hidden, pos + s, keys, values)
             outs.append(head.logits(hidden))
         for t in (0, 4, 9):
             ref = reference_chain(head, feats, ids, embed, t, steps)
@@ -198,7 +201,7 @@ def test_training_time_test_sees_what_drafting_sees():
         keys2, values2, h = [], [], head.fc(feats[:T])
         for s in range(steps):
             idx = (pos + 1 + s).clamp_max(len(ids) - 1)
-            h = head.step(embed[ids[idx]], h, pos, keys2, values2)
+            h = et.ttt_step(head, ids[idx], h, pos, keys2, values2)
             if s == 2:
                 assert not torch.allclose(head.logits(h)[4], outs[2][4], atol=1e-3)
 
@@ -208,7 +211,7 @@ def test_loss_masks_targets_outside_the_draft_vocabulary(captured):
     data = et.Captured(folder)
     d2t, t2d = et.draft_vocabulary(torch.ones(200), 20)
     head = et.init_head(target, et.head_config(target, 20, aux), d2t, t2d, seed=0)
-    out_rows = target.output_weight[head.draft_ids].float()
+    out_rows = target.output_weight[head.target_ids].float()
     doc = data.get(0)
     loss, stats = et.ttt_loss(head, doc, target.embed.weight, out_rows, steps=2)
     assert loss > 0 and stats["positions"] == len(doc["tokens"]) - 1
@@ -230,7 +233,7 @@ def test_chain_drafts_are_what_greedy_drafting_proposes():
     with torch.no_grad():
         for t in (0, 5, 10):
             ref = reference_chain(head, feats, ids, target.embed.weight, t, 3, own=True)
-            assert drafts[:, t].tolist() == [int(head.draft_ids[r.argmax()]) for r in ref]
+            assert drafts[:, t].tolist() == [int(head.target_ids[r.argmax()]) for r in ref]
 
 
 def test_greedy_acceptance_counts_rounds():
@@ -353,15 +356,16 @@ def test_train_eagle_command_end_to_end(tmp_path):
 
 
 def test_trained_head_drafts_as_the_specfast_head_and_loads_back(captured, tmp_path):
-    """TrainHead's training-time-test step equals specfast.eagle.head.EagleHead.forward with the
-    TTT mask (the drafter's class), and the saved head loads back through load_eagle."""
+    """The trainer's training-time-test step (its diagonal attention) equals EagleHead.forward
+    with the TTT mask, and the saved head loads back through load_eagle."""
     from specfast.eagle.head import load_eagle
 
     target, folder, aux = captured
     et.train(target, folder, tmp_path / "h", tiny_cfg(steps=2, eval_every=2), aux)
     trained = torch.load(tmp_path / "h" / "checkpoint.pt", weights_only=True)["head"]
-    head = et.TrainHead(json.loads((tmp_path / "h" / "config.json").read_text()))
+    head = et.new_head(json.loads((tmp_path / "h" / "config.json").read_text()))
     head.load_state_dict(trained)
+    head.bind_embedding(target.embed.weight)
     eagle = et.to_eagle_head(head).bind_embedding(target.embed.weight)
     ids = torch.tensor(next(iter(random_docs(1, 200, seed=5)))[1])
     feats, _, _ = ed.target_features(target, ids, aux)
@@ -374,7 +378,7 @@ def test_trained_head_drafts_as_the_specfast_head_and_loads_back(captured, tmp_p
         keys, values, k_prev, v_prev = [], [], None, None
         for s in range(steps):
             tok = ids[(pos + 1 + s).clamp_max(T)]
-            h_ours = head.step(target.embed.weight[tok], h_ours, pos + s, keys, values)
+            h_ours = et.ttt_step(head, tok, h_ours, pos + s, keys, values)
             mask = torch.cat([causal] + [eye] * s, dim=1)  # step 0 causally, the chain diagonally
             h_theirs, logits, k, v = eagle(h_theirs, tok, pos + s, k_prev, v_prev, mask)
             k_prev = k if k_prev is None else torch.cat([k_prev, k], dim=-2)

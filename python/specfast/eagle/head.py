@@ -198,7 +198,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == self.weight.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # training under bf16 autocast (x in bf16, float32 master weights): in float32, as a
+        # norm is cheap and precision-sensitive
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
 
 
 class EagleHead(nn.Module):

@@ -25,13 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specfast.bench import workloads
 from specfast.eagle import data as ed
 from specfast.eagle.data import target_features
-from specfast.eagle.head import EagleConfig, head_from_tensors, save_eagle
+from specfast.eagle.head import EagleConfig, EagleHead, head_from_tensors, save_eagle
 from specfast.formats import load_model
 from specfast.generate import generate
 from specfast.targets.base import default_aux_layers
@@ -39,104 +38,39 @@ from specfast.targets.base import default_aux_layers
 # ---------------------------------------------------------------------------- the head
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # in float32 (under autocast x arrives in bf16): a norm is cheap and precision-sensitive
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+def new_head(config: dict) -> EagleHead:
+    """A float32 head to train, from its config.json (`head_config`): the drafter's class, so
+    what is trained is what drafts."""
+    return EagleHead(EagleConfig.from_dict(config))
 
 
-def _linear(i: int, o: int) -> nn.Linear:
-    return nn.Linear(i, o, bias=False)
+def ttt_step(head: EagleHead, tokens, hidden, positions, keys: list, values: list) -> torch.Tensor:
+    """One training-time-test step of the head's layer over T positions -> out_hidden (T, H).
+    tokens (T,) are read through the bound embedding; positions (T,) are the RoPE positions.
+    Appends this step's keys and values (Hkv, T, hd) to `keys`/`values`: keys[0] is step 0
+    (causal over positions), keys[j > 0] the chain's step j at the same position (a diagonal),
+    which is what drafting sees, without a (T, (s + 1)·T) mask."""
+    cos_t, sin_t = head.rope(int(positions.max()) + 1)
+    cos, sin = cos_t[positions].unsqueeze(-2), sin_t[positions].unsqueeze(-2)  # (T, 1, hd)
+    T = hidden.shape[0]
 
-
-class TrainHead(nn.Module):
-    """An EAGLE-3 head whose state_dict keys are SpecForge's tensor names (fc.weight,
-    midlayer.self_attn.q_proj.weight, ..., norm.weight, lm_head.weight, d2t, t2d)."""
-
-    def __init__(self, config: dict):
-        super().__init__()
-        self.config = config
-        H, Ht = config["hidden_size"], config["target_hidden_size"]
-        nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-        hd, inter, eps = config["head_dim"], config["intermediate_size"], config["rms_norm_eps"]
-        Vd, V = config["draft_vocab_size"], config["vocab_size"]
-        self.fc = _linear(3 * Ht, H)
-        m = self.midlayer = nn.Module()
-        m.input_layernorm = RMSNorm(H, eps)
-        m.hidden_norm = RMSNorm(H, eps)
-        m.post_attention_layernorm = RMSNorm(H, eps)
-        a = m.self_attn = nn.Module()
-        a.q_proj, a.k_proj = _linear(2 * H, nh * hd), _linear(2 * H, nkv * hd)
-        a.v_proj, a.o_proj = _linear(2 * H, nkv * hd), _linear(nh * hd, H)
-        p = m.mlp = nn.Module()
-        p.gate_proj, p.up_proj, p.down_proj = (
-            _linear(H, inter),
-            _linear(H, inter),
-            _linear(inter, H),
-        )
-        self.norm = RMSNorm(H, eps)
-        self.lm_head = _linear(H, Vd)
-        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
-        hd_half = torch.arange(0, hd, 2, dtype=torch.float64) / hd
-        self.inv_freq = (1.0 / config["rope_theta"] ** hd_half).float()  # (hd/2,)
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """(Vd,) target ids of the draft vocabulary, in draft order."""
-        return torch.arange(len(self.d2t)) + self.d2t
-
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(positions.double(), self.inv_freq.double()).float()  # (T, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # (T, 1, hd)
-        return emb.cos(), emb.sin()
-
-    def step(self, emb, hidden, positions, keys: list, values: list) -> torch.Tensor:
-        """One midlayer pass over T positions -> out_hidden (T, H). Appends this step's keys
-        and values to `keys`/`values`; keys[0] is step 0 (causal over positions), keys[j > 0]
-        the chain's step j at the same position (a diagonal)."""
-        c, m = self.config, self.midlayer
-        T = hidden.shape[0]
-        nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-        g = nh // nkv
-        x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)], dim=-1)  # (T, 2H)
-        a = m.self_attn
-        q = a.q_proj(x).view(T, nh, hd)
-        k = a.k_proj(x).view(T, nkv, hd)
-        v = a.v_proj(x).view(T, nkv, hd)
-        cos, sin = self.rope(positions)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        # (T, nkv, hd) -> (nh, T, hd): head h reads kv head h // g, as repeat_kv does
-        keys.append(k.transpose(0, 1).repeat_interleave(g, dim=0))
-        values.append(v.transpose(0, 1).repeat_interleave(g, dim=0))
-        qh = q.transpose(0, 1)  # (nh, T, hd)
+    def attend(q, k, v):  # q (Hkv, g*T, hd), k and v (Hkv, T, hd)
+        keys.append(k)
+        values.append(v)
+        Hkv, _, hd = q.shape
+        qg = q.view(Hkv, -1, T, hd)  # (Hkv, g, T, hd): query head kv*g + i reads kv head kv
         scale = 1.0 / math.sqrt(hd)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril_()
-        scores = (qh @ keys[0].transpose(1, 2)).float() * scale  # (nh, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril_()
+        scores = (qg @ keys[0].unsqueeze(1).transpose(-1, -2)).float() * scale  # (Hkv, g, T, T)
         scores = scores.masked_fill(~causal, float("-inf"))
-        diag = [(qh * kj).sum(-1, keepdim=True).float() * scale for kj in keys[1:]]  # (nh, T, 1)
-        w = torch.cat([scores, *diag], dim=-1).softmax(dim=-1).to(qh.dtype)
-        y = w[..., :T] @ values[0]  # (nh, T, hd)
+        diag = [(qg * kj.unsqueeze(1)).sum(-1, keepdim=True).float() * scale for kj in keys[1:]]
+        w = torch.cat([scores, *diag], dim=-1).softmax(dim=-1).to(q.dtype)
+        y = w[..., :T] @ values[0].unsqueeze(1)  # (Hkv, g, T, hd)
         for j, vj in enumerate(values[1:]):
-            y = y + w[..., T + j : T + j + 1] * vj
-        y = y.transpose(0, 1).reshape(T, nh * hd)
-        x = hidden + a.o_proj(y)
-        h = m.post_attention_layernorm(x)
-        return x + m.mlp.down_proj(F.silu(m.mlp.gate_proj(h)) * m.mlp.up_proj(h))
+            y = y + w[..., T + j : T + j + 1] * vj.unsqueeze(1)
+        return y.reshape(Hkv, -1, hd)
 
-    def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(out_hidden))  # (T, Vd)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    return head.layer(hidden, tokens, cos, sin, attend)
 
 
 def head_config(target, draft_vocab_size: int, aux_layers) -> dict:
@@ -177,21 +111,21 @@ def draft_vocabulary(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, tor
     return ids - torch.arange(size), t2d
 
 
-def init_head(target, config: dict, d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> TrainHead:
+def init_head(target, config: dict, d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> EagleHead:
     """A head ready to train: N(0, 0.02) matrices, unit norms; then lm_head copied from the
     target's output rows of the draft vocabulary and norm from a tenth of its final norm (the
     output space starts where the target's is, at a soft scale). Measured on SmolLM2: with the
     full norm gain, or with fc passing the last aux feature through, the head started
     confidently wrong (loss above a uniform guess's) and took many steps to unlearn it."""
     torch.manual_seed(seed)
-    head = TrainHead(config)
+    head = new_head(config)
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
-        head.lm_head.weight.copy_(target.output_weight[head.draft_ids].float())
+        head.lm_head.weight.copy_(target.output_weight[head.target_ids].float())
         # A tenth of the target's final norm gain: the copied output rows give logits at a
         # tenth of the target's scale, a soft start (full scale started confidently wrong).
         head.norm.weight.copy_(0.1 * target.norm.float())
@@ -236,7 +170,7 @@ class Captured:
 
 
 def ttt_loss(
-    head: TrainHead,
+    head: EagleHead,
     doc: dict[str, torch.Tensor],
     embed: torch.Tensor,
     out_rows: torch.Tensor,
@@ -258,6 +192,7 @@ def ttt_loss(
         p_target = (doc["normed"].float() @ out_rows.float().T).softmax(dim=-1)  # (N, Vd)
         top = doc["argmax"].long()
         in_draft = head.t2d[top]  # (N,) SpecForge's mask: target argmax in the draft vocab
+    head.bind_embedding(embed)
     hidden = head.fc(doc["features"].to(dtype)[:T])  # (T, H)
     pos = torch.arange(T)
     keys: list = []
@@ -267,13 +202,12 @@ def ttt_loss(
     for s in range(steps):
         idx = (pos + 1 + s).clamp_max(N - 1)
         valid = pos + 1 + s <= N - 1
-        emb = embed[tokens[idx]].to(dtype)
-        hidden = head.step(emb, hidden, pos + s, keys, values)
+        hidden = ttt_step(head, tokens[idx], hidden, pos + s, keys, values)
         logp = head.logits(hidden).float().log_softmax(dim=-1)  # (T, Vd)
         mask = (valid & in_draft[idx]).float()
         total = total + decay**s * -(mask * (p_target[idx] * logp).sum(-1)).sum() / T
         with torch.no_grad():
-            drafted = head.draft_ids[logp.argmax(dim=-1)]
+            drafted = head.target_ids[logp.argmax(dim=-1)]
             agree.append((drafted == top[idx]) & valid)
     with torch.no_grad():
         full = pos + steps <= N - 1  # positions every step can score
@@ -309,7 +243,7 @@ def summary(stats: dict) -> dict:
 # ---------------------------------------------------------------------------- greedy acceptance
 
 
-def chain_drafts(head: TrainHead, features, tokens, embed, steps: int) -> torch.Tensor:
+def chain_drafts(head: EagleHead, features, tokens, embed, steps: int) -> torch.Tensor:
     """What greedy chain drafting proposes from every position at once -> (steps, T) target
     ids, T = N - 1: row s, column t is the (s+1)-th draft of a round whose step 0 reads the
     target's features of position t with token t+1. Later steps feed the head's own drafts, as
@@ -318,14 +252,15 @@ def chain_drafts(head: TrainHead, features, tokens, embed, steps: int) -> torch.
     T = tokens.shape[0] - 1
     pos = torch.arange(T)
     dtype = head.fc.weight.dtype
+    head.bind_embedding(embed)
     with torch.no_grad():
         hidden = head.fc(features[:T].to(dtype))
         keys: list = []
         values: list = []
         tok, out = tokens[1:], []
         for s in range(steps):
-            hidden = head.step(embed[tok].to(dtype), hidden, pos + s, keys, values)
-            tok = head.draft_ids[head.logits(hidden).argmax(dim=-1)]
+            hidden = ttt_step(head, tok, hidden, pos + s, keys, values)
+            tok = head.target_ids[head.logits(hidden).argmax(dim=-1)]
             out.append(tok)
     return torch.stack(out)
 
@@ -357,7 +292,7 @@ def held_out_acceptance(
     per_kind: int = 16,
 ) -> dict:
     """Mean acceptance length of greedy chain drafting at each k, for each head of `heads`
-    ({name: TrainHead}), on the benchmark's own prompts (specfast.bench.workloads, none trained on).
+    ({name: EagleHead}), on the benchmark's own prompts (specfast.bench.workloads, none trained on).
 
     The target generates each answer once, plainly (EOS ignored, as the benchmark does); one
     forward reads its features; then every round is replayed per head (chain_drafts,
@@ -365,7 +300,7 @@ def held_out_acceptance(
     mean_acceptance_length generate() reports at that k, up to float noise at near-ties.
     -> {name: {kind: {k: tau}}}."""
     first = next(iter(heads.values()))
-    aux = first.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    aux = first.config.aux_layers
     embed = target.embed.weight.detach().float()
     rounds = {n: {kind: {k: [] for k in k_values} for kind in kinds} for n in heads}
     for kind in kinds:
@@ -384,11 +319,11 @@ def held_out_acceptance(
     }
 
 
-def load_train_head(folder: Path) -> TrainHead:
-    """A saved head (config.json + model.safetensors) as a float32 TrainHead."""
+def load_train_head(folder: Path) -> EagleHead:
+    """A saved head (config.json + model.safetensors) in float32, to train or evaluate."""
     from safetensors.torch import load_file
 
-    head = TrainHead(json.loads((Path(folder) / "config.json").read_text()))
+    head = new_head(json.loads((Path(folder) / "config.json").read_text()))
     tensors = load_file(str(Path(folder) / "model.safetensors"))
     head.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items()})
     return head.float()
@@ -471,10 +406,10 @@ def train(
     aux_layers,
     resume: bool = False,
     log=sys.stderr,
-    save: Callable[[TrainHead, Path], None] | None = None,
+    save: Callable[[EagleHead, Path], None] | None = None,
     stop_at: int | None = None,
     max_minutes: float | None = None,
-) -> TrainHead:
+) -> EagleHead:
     """Train a head on the shards in data_dir; checkpoint.pt, curve.json and the head (config.json
     + model.safetensors) go to out_dir. `resume` continues from out_dir/checkpoint.pt;
     `stop_at` stops (with a checkpoint) after that many steps of the cfg.steps schedule;
@@ -499,7 +434,7 @@ def train(
             raise ValueError(
                 f"--resume with different settings ({', '.join(changed)}) than {ckpt_path}"
             )
-        head = TrainHead(ckpt["head_config"])
+        head = new_head(ckpt["head_config"])
         head.load_state_dict(ckpt["head"])
         start, curve, seen = ckpt["step"], ckpt["curve"], ckpt["tokens"]
         before = ckpt.get("seconds", 0.0)
@@ -511,7 +446,7 @@ def train(
         coverage = float(counts[t2d].sum()) / max(int(counts.sum()), 1)
         start, curve, seen = 0, [{"step": 0, "tokens": 0, "draft_coverage": round(coverage, 4)}], 0
         before = 0.0
-    out_rows = target.output_weight.detach()[head.draft_ids].float()
+    out_rows = target.output_weight.detach()[head.target_ids].float()
     opt = torch.optim.AdamW(
         head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
@@ -524,7 +459,7 @@ def train(
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save(
             {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "tokens": seen,
-             "curve": curve, "cfg": asdict(cfg), "head_config": head.config,
+             "curve": curve, "cfg": asdict(cfg), "head_config": head.config.to_dict(),
              "seconds": before + time.perf_counter() - t0},
             tmp,
         )  # fmt: skip
@@ -624,14 +559,14 @@ class _progress:
 # ---------------------------------------------------------------------------- saving
 
 
-def to_eagle_head(head: TrainHead):
-    """The trained weights as specfast.eagle.head's EagleHead (the drafter's class), checked by its
-    loader's rules (shapes, d2t in range, t2d marking the same ids)."""
+def to_eagle_head(head: EagleHead) -> EagleHead:
+    """A frozen copy of the trained head, checked by the loader's rules (shapes, d2t in range,
+    t2d marking the same ids)."""
     tensors = {k: v.detach() for k, v in head.state_dict().items()}
-    return head_from_tensors(EagleConfig.from_dict(dict(head.config)), tensors)
+    return head_from_tensors(head.config, tensors)
 
 
-def save_head(head: TrainHead, folder: Path) -> None:
+def save_head(head: EagleHead, folder: Path) -> None:
     """config.json + model.safetensors through specfast.eagle.head.save_eagle: SpecForge's names,
     matrices and norms in bf16, d2t int64, t2d bool, no embedding (shared with the target)."""
     save_eagle(to_eagle_head(head), folder, dtype="bfloat16")
@@ -714,7 +649,7 @@ def train_eagle(
     command: str | None = None,
     max_minutes: float | None = None,
     **data_options,
-) -> TrainHead:
+) -> EagleHead:
     """`specfast train-eagle`: the target answers the training prompts, one forward per
     document captures its features and distributions, then the head trains; the head lands
     in out_dir (SpecForge layout) with curve.json and the data record."""
