@@ -33,6 +33,7 @@ from specfast.eagle.data import target_features
 from specfast.eagle.head import EagleConfig, EagleHead, head_from_tensors, save_eagle
 from specfast.formats import load_model
 from specfast.generate import generate
+from specfast.hardware import cpu_has_native_bf16
 from specfast.targets.base import default_aux_layers
 
 # ---------------------------------------------------------------------------- the head
@@ -343,7 +344,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     draft_vocab_size: int = 4096
     seed: int = 0
-    bf16: bool = True  # autocast matmuls to bf16 (fp32 master weights)
+    # Autocast the matrix products to bf16 (float32 master weights). None: only where the CPU
+    # has native bf16; elsewhere torch emulates it, and a step ran 24x slower than in float32.
+    bf16: bool | None = None
     eval_every: int = 100
     eval_docs: int = 32
     val_every: int = 50  # every val_every-th document is held out for the curve
@@ -351,6 +354,8 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = cpu_has_native_bf16()
         for name in ("steps", "docs_per_step", "ttt_steps", "draft_vocab_size", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -425,8 +430,9 @@ def train(
         if not ckpt_path.is_file():
             raise ValueError(f"--resume: no checkpoint at {ckpt_path}")
         ckpt = torch.load(ckpt_path, weights_only=True)
-        # The schedule's length and the logging may change (a run extended); the recipe not.
-        free = {"steps", "eval_every", "eval_docs", "checkpoint_every"}
+        # The schedule's length and the logging may change (a run extended), and bf16 with the
+        # machine it goes on on; the recipe not.
+        free = {"steps", "eval_every", "eval_docs", "checkpoint_every", "bf16"}
         changed = sorted(
             k for k, v in asdict(cfg).items() if k not in free and ckpt["cfg"].get(k) != v
         )
