@@ -73,7 +73,8 @@ class EagleDraft(Base):
         head.rope(max_length)
         self.target_ids = head.target_ids.to(w.device)  # (Vd,)
         with torch.inference_mode():
-            self.fast = FastLinears(head)
+            # A target that runs int8 or q4 weights on CPU: the head's products in int8 too.
+            self.fast = FastLinears(head, int8=getattr(target, "weights", "float") != "float")
         self.vocab_size = c.vocab_size
         self.committed: list[int] = []
         self.fed = 0  # head cache positions [0, fed) hold the target's real features
