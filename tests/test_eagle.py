@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -238,9 +240,16 @@ def test_a_head_over_an_int8_target_drafts_in_int8_and_stays_exact(fitted_head):
         q, PROMPT, max_new_tokens=60, drafter=fitted_head, num_speculative_tokens=4
     )
     assert out.token_ids == want and out.stats.draft_tokens > 0
-    assert eagle_drafter(fitted_head, q, 4, 128).fast.int8 is not None
+    fast = eagle_drafter(fitted_head, q, 4, 128).fast
+    assert fast.int8 is not None
+    assert eagle_drafter(fitted_head, q, 4, 128).fast is fast  # made once for these weights
     float_target = Model.from_config(TARGET, seed=0)
     assert eagle_drafter(fitted_head, float_target, 4, 128).fast.int8 is None
+    head = copy.deepcopy(fitted_head)
+    fast = eagle_drafter(head, q, 4, 128).fast
+    with torch.no_grad():
+        head.lm_head.weight.mul_(2.0)  # new weights: a new copy
+    assert eagle_drafter(head, q, 4, 128).fast is not fast
 
 
 def test_greedy_with_a_random_head_is_plain_greedy(target, plain):

@@ -25,7 +25,6 @@ from specfast.drafters.base import (
 from specfast.drafters.combined import CombinedDrafter
 from specfast.eagle.head import (
     EagleHead,
-    FastLinears,
     check_config_for_target,
     eagle_target,
     load_eagle,
@@ -74,7 +73,7 @@ class EagleDraft(Base):
         self.target_ids = head.target_ids.to(w.device)  # (Vd,)
         with torch.inference_mode():
             # A target that runs int8 or q4 weights on CPU: the head's products in int8 too.
-            self.fast = FastLinears(head, int8=getattr(target, "weights", "float") != "float")
+            self.fast = head.fast_linears(int8=getattr(target, "weights", "float") != "float")
         self.vocab_size = c.vocab_size
         self.committed: list[int] = []
         self.fed = 0  # head cache positions [0, fed) hold the target's real features

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +207,11 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
 
 
+# head -> (key, FastLinears): drafting's copy of its matrices, outside the module so that
+# copying or pickling a head does not copy oneDNN's packed tensors.
+_FAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class EagleHead(nn.Module):
     """An EAGLE-3 head. `embed_tokens` is its own only when the file has one; otherwise the
     target's embedding is used (`bind_embedding`). `aux_layers` says which target layers feed it.
@@ -299,8 +305,20 @@ class EagleHead(nn.Module):
             self._rope[key] = cached
         return cached
 
+    def fast_linears(self, int8: bool = False) -> FastLinears:
+        """Drafting's copy of the matrices (FastLinears), made once for these weights: a new
+        generate() call or Session reuses it (quantizing or prepacking costs 20-25 ms)."""
+        w = self.fc.weight
+        params = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        key = (int8, w.device, w.dtype, params)
+        cached = _FAST.get(self)
+        if cached is None or cached[0] != key:
+            cached = _FAST[self] = (key, FastLinears(self, int8))
+        return cached[1]
+
     def _apply(self, fn, *args, **kwargs):
         self._rope = {}
+        _FAST.pop(self, None)
         out = super()._apply(fn, *args, **kwargs)
         if self._shared_embed is not None:
             self._shared_embed = fn(self._shared_embed)
