@@ -306,9 +306,11 @@ class EagleHead(nn.Module):
         return cached
 
     def fast_linears(self, int8: bool = False) -> FastLinears:
-        """Drafting's copy of the matrices (FastLinears), made once for these weights: a new
-        generate() call or Session reuses it (quantizing or prepacking costs 20-25 ms)."""
+        """Drafting's copy of the matrices (FastLinears), made once for these weights on CPU: a
+        new generate() call or Session reuses it (quantizing or prepacking costs 20-25 ms)."""
         w = self.fc.weight
+        if w.device.type != "cpu":  # no quantizing or prepacking there: the copy is cheap
+            return FastLinears(self, int8)
         params = tuple((p.data_ptr(), p._version) for p in self.parameters())
         key = (int8, w.device, w.dtype, params)
         cached = _FAST.get(self)
