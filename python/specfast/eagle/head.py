@@ -419,8 +419,9 @@ class FastLinears:
     CPU oneDNN-prepacked as the target's are (model.packed_weights says why; for a head of
     SmolLM2's size a packed and a plain step cost about the same), or with `int8` in the core's
     int8 kernel, as a target with int8 or q4 weights runs: a float32 head step of SmolLM2's
-    shape took 1.6 ms there, a fifth of the q4 target's pass. A copy made once per drafter; the
-    head's own weights stay what training and saving use."""
+    shape took 1.6 ms there, a fifth of the q4 target's pass. A copy (EagleHead.fast_linears
+    keeps one per head's weights on CPU); the head's own weights stay what training and saving
+    use."""
 
     def __init__(self, head: EagleHead, int8: bool = False):
         mid = head.midlayer
