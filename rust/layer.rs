@@ -129,6 +129,62 @@ pub fn forward(
     Ok(())
 }
 
+/// x (T, dim) <- every layer of `layers` applied in turn: [`forward`] for layer l over its cache
+/// (k_cache, v_cache: (L, Hkv, S, hd), layer l's part at l·Hkv·S·hd). One call for a whole pass,
+/// so that nothing runs between the layers. `features` (n, T, dim) gets, for each
+/// `feature_layers[j]`, the residual stream entering that layer (an EAGLE-3 head reads them).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_layers(
+    x: &mut [f32],
+    layers: &[Weights<'_>],
+    s: &Shape,
+    cos: &[f32],
+    sin: &[f32],
+    k_cache: &mut [f32],
+    v_cache: &mut [f32],
+    feature_layers: &[usize],
+    features: &mut [f32],
+) -> Result<()> {
+    let n = layers.len();
+    let per_layer = s.kv_heads * s.capacity * s.head_dim;
+    if k_cache.len() != n * per_layer || v_cache.len() != n * per_layer {
+        return Err(Error::value(format!(
+            "k_cache and v_cache must be (L, Hkv, S, hd) = ({n}, {}, {}, {}) for {n} layers",
+            s.kv_heads, s.capacity, s.head_dim
+        )));
+    }
+    if let Some(&bad) = feature_layers.iter().find(|&&l| l >= n) {
+        return Err(Error::value(format!(
+            "feature layer {bad} is out of range for {n} layers"
+        )));
+    }
+    if features.len() != feature_layers.len() * x.len() {
+        return Err(Error::value(format!(
+            "features must be (n, T, dim) with n = {} and T x dim = {}",
+            feature_layers.len(),
+            x.len()
+        )));
+    }
+    // Every layer's shapes first, so that a bad one fails before the cache changes.
+    for (w, (k, v)) in layers.iter().zip(
+        k_cache
+            .chunks_exact(per_layer)
+            .zip(v_cache.chunks_exact(per_layer)),
+    ) {
+        check(x, w, s, cos, sin, k, v)?;
+    }
+    let caches = k_cache
+        .chunks_exact_mut(per_layer)
+        .zip(v_cache.chunks_exact_mut(per_layer));
+    for (l, (w, (k, v))) in layers.iter().zip(caches).enumerate() {
+        for (j, _) in feature_layers.iter().enumerate().filter(|&(_, &f)| f == l) {
+            features[j * x.len()..(j + 1) * x.len()].copy_from_slice(x);
+        }
+        forward(x, w, s, cos, sin, k, v)?;
+    }
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 fn check(
     x: &[f32],
@@ -345,6 +401,84 @@ mod tests {
         let mut r = x[DIM..].to_vec();
         run(&l, &mut r, 1, &mut (vec![0.0; n], vec![0.0; n]));
         assert_ne!(r, whole[DIM..]);
+    }
+
+    /// A whole stack in one call equals its layers called one by one, and hands back the
+    /// residual entering each feature layer.
+    #[test]
+    fn a_stack_equals_its_layers_one_by_one() {
+        let ls = [layer(true), layer(false), layer(true)];
+        let ws: Vec<Weights<'_>> = ls.iter().map(Layer::weights).collect();
+        let n = 2 * 40 * 12;
+        let x = values(3 * DIM, 11, 2.0);
+        let rows = 3;
+        let c: Vec<f32> = (0..rows * 12).map(|j| (j as f32 * 0.1).cos()).collect();
+        let sn: Vec<f32> = (0..rows * 12).map(|j| (j as f32 * 0.1).sin()).collect();
+        let s = Shape { pos: 2, ..SHAPE };
+        let (mut k, mut v) = (values(3 * n, 12, 1.0), values(3 * n, 13, 1.0));
+        let (k0, v0) = (k.clone(), v.clone());
+        let mut whole = x.clone();
+        let mut features = vec![0.0; 2 * x.len()];
+        forward_layers(
+            &mut whole,
+            &ws,
+            &s,
+            &c,
+            &sn,
+            &mut k,
+            &mut v,
+            &[2, 1],
+            &mut features,
+        )
+        .unwrap();
+        let mut each = x.clone();
+        let (mut k1, mut v1) = (k0.clone(), v0.clone());
+        let mut seen = Vec::new();
+        for (l, w) in ws.iter().enumerate() {
+            seen.push(each.clone());
+            let (kl, vl) = (&mut k1[l * n..(l + 1) * n], &mut v1[l * n..(l + 1) * n]);
+            forward(&mut each, w, &s, &c, &sn, kl, vl).unwrap();
+        }
+        assert_eq!(whole, each);
+        assert_eq!((k, v), (k1, v1));
+        assert_eq!(features[..x.len()], seen[2]);
+        assert_eq!(features[x.len()..], seen[1]);
+        assert_ne!(seen[2], seen[1]);
+    }
+
+    /// A stack whose caches, feature layers or feature buffer do not fit is an error before
+    /// anything is written.
+    #[test]
+    fn a_stack_checks_before_it_writes() {
+        let ls = [layer(true), layer(true)];
+        let ws: Vec<Weights<'_>> = ls.iter().map(Layer::weights).collect();
+        let n = 2 * 40 * 12;
+        let c = vec![1.0; 12];
+        let mut x = vec![0.5; DIM];
+        let (mut k, mut v) = (vec![0.0; 2 * n], vec![0.0; 2 * n]);
+        let mut f = vec![0.0; DIM];
+        let short = &mut vec![0.0; n];
+        for err in [
+            forward_layers(&mut x, &ws, &SHAPE, &c, &c, short, &mut v, &[], &mut []),
+            forward_layers(&mut x, &ws, &SHAPE, &c, &c, &mut k, &mut v, &[2], &mut f),
+            forward_layers(&mut x, &ws, &SHAPE, &c, &c, &mut k, &mut v, &[0, 1], &mut f),
+            forward_layers(
+                &mut x,
+                &ws,
+                &SHAPE,
+                &c[..6],
+                &c,
+                &mut k,
+                &mut v,
+                &[],
+                &mut [],
+            ),
+        ] {
+            assert!(err.is_err());
+        }
+        assert!(k.iter().chain(&v).all(|&e| e == 0.0) && x == vec![0.5; DIM]);
+        forward_layers(&mut x, &ws, &SHAPE, &c, &c, &mut k, &mut v, &[1], &mut f).unwrap();
+        assert!(k.iter().any(|&e| e != 0.0) && x != vec![0.5; DIM]);
     }
 
     #[test]

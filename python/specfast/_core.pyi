@@ -9,6 +9,7 @@ import numpy.typing as npt
 
 # PyO3 fills the runtime __all__ from the registered functions; keep this list in step.
 __all__ = [
+    "Int8Layers",
     "Int8Matrix",
     "NgramDrafter",
     "Q4Matrix",
@@ -18,7 +19,6 @@ __all__ = [
     "amx_usable",
     "ggml_tile_restorer",
     "int8_kernel",
-    "int8_layer",
     "row_attention",
     "rule_tables",
     "uniforms",
@@ -85,23 +85,31 @@ class Q4Matrix:
     def nbytes(self) -> int: ...
 
 def int8_kernel() -> str: ...
-def int8_layer(
-    x: npt.NDArray[np.float32],
-    attn_norm: npt.NDArray[np.float32],
-    qkv: Int8Matrix | Q4Matrix,
-    qkv_bias: npt.NDArray[np.float32] | None,
-    o: Int8Matrix | Q4Matrix,
-    ffn_norm: npt.NDArray[np.float32],
-    gate_up: Int8Matrix | Q4Matrix,
-    down: Int8Matrix | Q4Matrix,
-    cos: npt.NDArray[np.float32],
-    sin: npt.NDArray[np.float32],
-    k_cache: npt.NDArray[np.float32],
-    v_cache: npt.NDArray[np.float32],
-    pos: int,
-    heads: int,
-    eps: float,
-) -> None: ...
+
+_Float32 = npt.NDArray[np.float32]
+_LayerWeights = tuple[
+    _Float32, Int8Matrix | Q4Matrix, _Float32 | None, Int8Matrix | Q4Matrix, _Float32,
+    Int8Matrix | Q4Matrix, Int8Matrix | Q4Matrix,
+]  # fmt: skip
+
+@final
+class Int8Layers:
+    """A model's int8 or 4-bit layers, run over a pass in one call. layers: per layer (attn_norm,
+    qkv, qkv_bias or None, o, ffn_norm, gate_up, down)."""
+
+    def __new__(cls, layers: Sequence[_LayerWeights], heads: int, eps: float) -> Int8Layers: ...
+    def forward(
+        self,
+        x: _Float32,
+        cos: _Float32,
+        sin: _Float32,
+        k_cache: _Float32,
+        v_cache: _Float32,
+        pos: int,
+        feature_layers: Sequence[int] = ...,
+        features: _Float32 | None = None,
+    ) -> None: ...
+    def __len__(self) -> int: ...
 
 # ---- attention -----------------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
-//! Bindings for `crate::layer`: one int8 layer over numpy float32 arrays (the model's torch
-//! tensors, shared without copies), run with the interpreter released.
+//! Bindings for `crate::layer`: a model's int8 or 4-bit layers over numpy float32 arrays (the
+//! model's torch tensors and cache, shared without copies), run with the interpreter released.
 
 use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyReadwriteArray3, PyUntypedArrayMethods,
+    PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyReadwriteArray3, PyReadwriteArray4,
+    PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -11,20 +12,6 @@ use super::int8::PyInt8Matrix;
 use super::q4::PyQ4Matrix;
 use crate::int8::Product;
 use crate::layer::{self, Shape, Weights};
-
-/// An Int8Matrix's or a Q4Matrix's product.
-fn product<'a>(name: &str, obj: &'a Bound<'_, PyAny>) -> PyResult<&'a dyn Product> {
-    if let Ok(m) = obj.cast::<PyInt8Matrix>() {
-        return Ok(&m.get().inner);
-    }
-    if let Ok(m) = obj.cast::<PyQ4Matrix>() {
-        return Ok(&m.get().inner);
-    }
-    Err(PyTypeError::new_err(format!(
-        "{name} must be an Int8Matrix or a Q4Matrix, got {}",
-        obj.get_type().name()?
-    )))
-}
 
 fn contiguous_error(name: &str) -> PyErr {
     PyValueError::new_err(format!("{name} must be a C-contiguous float32 array"))
@@ -50,69 +37,160 @@ macro_rules! slice_mut {
     };
 }
 
-/// x (T, dim) <- one int8 layer applied to it, in place; writes the T new keys and values into
-/// k_cache, v_cache (Hkv, S, hd) at pos. Each row is computed on its own.
-#[pyfunction]
-#[pyo3(signature = (
-    x, attn_norm, qkv, qkv_bias, o, ffn_norm, gate_up, down, cos, sin, k_cache, v_cache, pos,
-    heads, eps,
-))]
-#[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)]
-fn int8_layer(
-    py: Python<'_>,
-    mut x: PyReadwriteArray2<'_, f32>,
-    attn_norm: PyReadonlyArray1<'_, f32>,
-    qkv: &Bound<'_, PyAny>,
-    qkv_bias: Option<PyReadonlyArray1<'_, f32>>,
-    o: &Bound<'_, PyAny>,
-    ffn_norm: PyReadonlyArray1<'_, f32>,
-    gate_up: &Bound<'_, PyAny>,
-    down: &Bound<'_, PyAny>,
-    cos: PyReadonlyArray2<'_, f32>,
-    sin: PyReadonlyArray2<'_, f32>,
-    mut k_cache: PyReadwriteArray3<'_, f32>,
-    mut v_cache: PyReadwriteArray3<'_, f32>,
-    pos: usize,
+/// A weight matrix of the stack: an Int8Matrix or a Q4Matrix, held for the stack's lifetime.
+enum Matrix {
+    Int8(Py<PyInt8Matrix>),
+    Q4(Py<PyQ4Matrix>),
+}
+
+impl Matrix {
+    fn new(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Matrix> {
+        if let Ok(m) = obj.cast::<PyInt8Matrix>() {
+            return Ok(Matrix::Int8(m.clone().unbind()));
+        }
+        if let Ok(m) = obj.cast::<PyQ4Matrix>() {
+            return Ok(Matrix::Q4(m.clone().unbind()));
+        }
+        Err(PyTypeError::new_err(format!(
+            "{name} must be an Int8Matrix or a Q4Matrix, got {}",
+            obj.get_type().name()?
+        )))
+    }
+
+    fn product(&self) -> &dyn Product {
+        match self {
+            Matrix::Int8(m) => &m.get().inner,
+            Matrix::Q4(m) => &m.get().inner,
+        }
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    qkv: Matrix,
+    qkv_bias: Option<Vec<f32>>,
+    o: Matrix,
+    ffn_norm: Vec<f32>,
+    gate_up: Matrix,
+    down: Matrix,
+}
+
+impl Layer {
+    fn weights(&self) -> Weights<'_> {
+        Weights {
+            attn_norm: &self.attn_norm,
+            qkv: self.qkv.product(),
+            qkv_bias: self.qkv_bias.as_deref(),
+            o: self.o.product(),
+            ffn_norm: &self.ffn_norm,
+            gate_up: self.gate_up.product(),
+            down: self.down.product(),
+        }
+    }
+}
+
+type LayerArgs<'py> = (
+    PyReadonlyArray1<'py, f32>,
+    Bound<'py, PyAny>,
+    Option<PyReadonlyArray1<'py, f32>>,
+    Bound<'py, PyAny>,
+    PyReadonlyArray1<'py, f32>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+);
+
+/// A model's int8 or 4-bit layers, run over a pass in one call with the interpreter released.
+/// It holds the weight matrices and copies of the norms and biases: built again whenever the
+/// model's weights change.
+#[pyclass(frozen, name = "Int8Layers", module = "specfast._core")]
+pub struct PyInt8Layers {
+    layers: Vec<Layer>,
     heads: usize,
     eps: f32,
-) -> PyResult<()> {
-    let ks = k_cache.shape().to_vec();
-    if v_cache.shape() != ks.as_slice() {
-        return Err(PyValueError::new_err(format!(
-            "k_cache and v_cache must have one shape; got {ks:?} and {:?}",
-            v_cache.shape()
-        )));
+}
+
+#[pymethods]
+#[allow(clippy::needless_pass_by_value)] // numpy's borrowed arrays are extracted by value
+impl PyInt8Layers {
+    /// layers: per layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down), the
+    /// norms and bias float32 arrays, the others Int8Matrix or Q4Matrix; heads: query heads.
+    #[new]
+    fn new(layers: Vec<LayerArgs<'_>>, heads: usize, eps: f32) -> PyResult<Self> {
+        let copy = |name: &str, a: &PyReadonlyArray1<'_, f32>| -> PyResult<Vec<f32>> {
+            Ok(a.as_slice().map_err(|_| contiguous_error(name))?.to_vec())
+        };
+        let layers = layers
+            .iter()
+            .map(|(attn, qkv, bias, o, ffn, gate_up, down)| {
+                Ok(Layer {
+                    attn_norm: copy("attn_norm", attn)?,
+                    qkv: Matrix::new("qkv", qkv)?,
+                    qkv_bias: bias.as_ref().map(|b| copy("qkv_bias", b)).transpose()?,
+                    o: Matrix::new("o", o)?,
+                    ffn_norm: copy("ffn_norm", ffn)?,
+                    gate_up: Matrix::new("gate_up", gate_up)?,
+                    down: Matrix::new("down", down)?,
+                })
+            })
+            .collect::<PyResult<Vec<Layer>>>()?;
+        Ok(PyInt8Layers { layers, heads, eps })
     }
-    let shape = Shape {
-        heads,
-        kv_heads: ks[0],
-        head_dim: ks[2],
-        eps,
-        capacity: ks[1],
-        pos,
-    };
-    let bias = match &qkv_bias {
-        Some(b) => Some(slice!("qkv_bias", b)),
-        None => None,
-    };
-    let w = Weights {
-        attn_norm: slice!("attn_norm", attn_norm),
-        qkv: product("qkv", qkv)?,
-        qkv_bias: bias,
-        o: product("o", o)?,
-        ffn_norm: slice!("ffn_norm", ffn_norm),
-        gate_up: product("gate_up", gate_up)?,
-        down: product("down", down)?,
-    };
-    let (cos, sin) = (slice!("cos", cos), slice!("sin", sin));
-    let x = slice_mut!("x", x);
-    let k = slice_mut!("k_cache", k_cache);
-    let v = slice_mut!("v_cache", v_cache);
-    py.detach(|| layer::forward(x, &w, &shape, cos, sin, k, v))?;
-    Ok(())
+
+    /// x (T, dim) <- every layer applied in turn, in place; writes the T new keys and values
+    /// into k_cache, v_cache (L, Hkv, S, hd) at pos. cos, sin: (T, hd). features (n, T, dim), if
+    /// given, gets the residual stream entering each of feature_layers. Each row is computed on
+    /// its own.
+    #[pyo3(signature = (x, cos, sin, k_cache, v_cache, pos, feature_layers=Vec::new(), features=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        mut x: PyReadwriteArray2<'_, f32>,
+        cos: PyReadonlyArray2<'_, f32>,
+        sin: PyReadonlyArray2<'_, f32>,
+        mut k_cache: PyReadwriteArray4<'_, f32>,
+        mut v_cache: PyReadwriteArray4<'_, f32>,
+        pos: usize,
+        feature_layers: Vec<usize>,
+        features: Option<PyReadwriteArray3<'_, f32>>,
+    ) -> PyResult<()> {
+        let ks = k_cache.shape().to_vec();
+        if v_cache.shape() != ks.as_slice() {
+            return Err(PyValueError::new_err(format!(
+                "k_cache and v_cache must have one shape; got {ks:?} and {:?}",
+                v_cache.shape()
+            )));
+        }
+        let shape = Shape {
+            heads: self.heads,
+            kv_heads: ks[1],
+            head_dim: ks[3],
+            eps: self.eps,
+            capacity: ks[2],
+            pos,
+        };
+        let weights: Vec<Weights<'_>> = self.layers.iter().map(Layer::weights).collect();
+        let (cos, sin) = (slice!("cos", cos), slice!("sin", sin));
+        let x = slice_mut!("x", x);
+        let k = slice_mut!("k_cache", k_cache);
+        let v = slice_mut!("v_cache", v_cache);
+        let mut features = features;
+        let feats: &mut [f32] = match features.as_mut() {
+            Some(f) => slice_mut!("features", f),
+            None => &mut [],
+        };
+        py.detach(|| {
+            layer::forward_layers(x, &weights, &shape, cos, sin, k, v, &feature_layers, feats)
+        })?;
+        Ok(())
+    }
+
+    fn __len__(&self) -> usize {
+        self.layers.len()
+    }
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(int8_layer, m)?)?;
+    m.add_class::<PyInt8Layers>()?;
     Ok(())
 }

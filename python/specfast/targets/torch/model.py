@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfast._core import int8_layer
+from specfast._core import Int8Layers
 from specfast.hardware import auto_dtype
 from specfast.targets.base import (
     check_aux_layers,
@@ -293,7 +293,7 @@ class Model(nn.Module):
         self._packed: list | None = None  # oneDNN-prepacked CPU weights, built on first use
         self._plain_released = False  # the packed copy replaced the plain weights
         self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
-        self._int8_args: tuple = (None, [])  # see _int8_layer_weights
+        self._int8_args: tuple = (None, None)  # see _int8_stack
         self.prepack = True
         self.weight_kind = "float"  # "int8" or "q4" after quantize_int8
         # The file's layer matrices were 4-bit (a Q4 GGUF): weights="auto" may pick q4.
@@ -513,7 +513,7 @@ class Model(nn.Module):
         self._restore_plain()
         self._packed = None
         self._rows_cache = {}
-        self._int8_args = (None, [])
+        self._int8_args = (None, None)
 
     def quantize_int8(self, weights: str = "int8") -> Model:
         """Runs every matrix but the embedding lookup in the core with int8 activations, on CPU
@@ -664,22 +664,25 @@ class Model(nn.Module):
         return x
 
     def _int8_layers(self, x, cos, sin, attend, packed, aux=None, *, cache, pos) -> torch.Tensor:
-        """_layers for int8 weights in float32 on CPU: one core call a layer, in place on x.
-        cos, sin (T, 1, hd); `attend` is unused (the core attends)."""
-        c = self.config
+        """_layers for int8 weights in float32 on CPU: the whole stack in one core call, in
+        place on x. cos, sin (T, 1, hd); `attend` is unused (the core attends)."""
         x = x.float().contiguous()  # (T, D)
         cos, sin = cos[:, 0].contiguous().numpy(), sin[:, 0].contiguous().numpy()  # (T, hd)
-        xs, ks, vs = x.numpy(), cache.k.numpy(), cache.v.numpy()  # views; (L, Hkv, S, hd)
-        for i, weights in enumerate(self._int8_layer_weights(packed)):
-            if aux is not None and i in aux:
-                aux[i] = x.clone()  # (x changes in place)
-            int8_layer(xs, *weights, cos, sin, ks[i], vs[i], pos, c.n_heads, c.norm_eps)
+        stack = self._int8_stack(packed)
+        if aux is None:
+            stack.forward(x.numpy(), cos, sin, cache.k.numpy(), cache.v.numpy(), pos)
+            return x
+        ids = list(aux)
+        feats = torch.empty(len(ids), *x.shape)  # (n, T, D)
+        kv = cache.k.numpy(), cache.v.numpy()
+        stack.forward(x.numpy(), cos, sin, *kv, pos, ids, feats.numpy())
+        for i, f in zip(ids, feats, strict=True):
+            aux[i] = f
         return x
 
-    def _int8_layer_weights(self, packed) -> list[tuple]:
-        """Per layer, int8_layer's weight arguments: (attn_norm, qkv, qkv bias or None, o,
-        ffn_norm, gate_up, down) as numpy views and Int8Matrix objects, made once per packing
-        (a pass of a small model spent ~1 ms making them again)."""
+    def _int8_stack(self, packed) -> Int8Layers:
+        """The core's stack of this model's int8 layers, made once per packing (making the
+        arguments of 30 layer calls took ~1 ms of a small model's pass)."""
         if self._int8_args[0] is not packed:
             args = []
             for layer, (qkv, o, gate_up, down) in zip(self.layers, packed, strict=False):
@@ -687,7 +690,7 @@ class Model(nn.Module):
                 bias = None if bias is None else bias.detach().numpy()
                 attn, ffn = layer.attn_norm.detach().numpy(), layer.ffn_norm.detach().numpy()
                 args.append((attn, qkv, bias, o, ffn, gate_up, down))
-            self._int8_args = (packed, args)
+            self._int8_args = (packed, Int8Layers(args, self.config.n_heads, self.config.norm_eps))
         return self._int8_args[1]
 
     def _head(self, x, head, packed) -> torch.Tensor:
