@@ -218,7 +218,11 @@ impl Q4Matrix {
         let d = &self.scale[b * groups * BLOCK..(b + 1) * groups * BLOCK];
         let mn = &self.minimum[b * groups * BLOCK..(b + 1) * groups * BLOCK];
         let (xs, sx) = acts.rows(r0, m);
-        let xsum = &sums[r0 * groups..(r0 + m) * groups];
+        let rows = Rows {
+            xs,
+            sx,
+            xsum: &sums[r0 * groups..(r0 + m) * groups],
+        };
         let block = Block {
             w,
             d,
@@ -231,8 +235,8 @@ impl Q4Matrix {
             // such kernel's CPU has it); F16C is checked here. Slice lengths are as read.
             Kernel::Avx2 | Kernel::AvxVnni | Kernel::Avx512Vnni if has_f16c() => unsafe {
                 match m {
-                    1 => x86::dot::<1>(&block, xs, sx, xsum, acc),
-                    2 => x86::dot::<2>(&block, xs, sx, xsum, acc),
+                    1 => x86::dot::<1>(&block, &rows, acc),
+                    2 => x86::dot::<2>(&block, &rows, acc),
                     _ => {
                         for half in 0..2 {
                             let f = match m {
@@ -243,12 +247,12 @@ impl Q4Matrix {
                                 7 => x86::dot_half::<7>,
                                 _ => x86::dot_half::<8>,
                             };
-                            f(&block, half, xs, sx, xsum, acc);
+                            f(&block, half, &rows, acc);
                         }
                     }
                 }
             },
-            _ => dot_scalar(&block, xs, sx, xsum, m, acc),
+            _ => dot_scalar(&block, &rows, m, acc),
         }
     }
 
@@ -325,6 +329,15 @@ fn group_sums(acts: &Activations) -> Vec<f32> {
         .collect()
 }
 
+/// The activation rows of a kernel call: their int8 values, and per row and group the scale sx
+/// and sx · Σ xq.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    xs: &'a [i8],
+    sx: &'a [f32],
+    xsum: &'a [f32],
+}
+
 /// One block of 16 output rows: its packed values and its d and m ([groups][16]).
 struct Block<'a> {
     w: &'a [u8],
@@ -333,7 +346,8 @@ struct Block<'a> {
     width: usize,
 }
 
-fn dot_scalar(blk: &Block<'_>, xs: &[i8], sx: &[f32], xsum: &[f32], m: usize, acc: &mut [f32]) {
+fn dot_scalar(blk: &Block<'_>, rows: &Rows<'_>, m: usize, acc: &mut [f32]) {
+    let Rows { xs, sx, xsum } = *rows;
     let groups = blk.width / GROUP;
     for i in 0..m {
         let x = &xs[i * blk.width..(i + 1) * blk.width];
@@ -366,7 +380,7 @@ mod x86 {
 
     use half::f16;
 
-    use super::{Block, BLOCK, GROUP};
+    use super::{Block, Rows, BLOCK, GROUP};
 
     /// Eight f16 values at p, as f32.
     #[inline]
@@ -379,13 +393,8 @@ mod x86 {
     /// two halves of 8 rows); each feeds one vpmaddubsw per row against the run's 4 activations
     /// broadcast. The i16 pair sums add up across the group's 4 pairs and widen once per group.
     #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn dot<const R: usize>(
-        blk: &Block<'_>,
-        xs: &[i8],
-        sx: &[f32],
-        xsum: &[f32],
-        acc: &mut [f32],
-    ) {
+    pub unsafe fn dot<const R: usize>(blk: &Block<'_>, rows: &Rows<'_>, acc: &mut [f32]) {
+        let Rows { xs, sx, xsum } = *rows;
         let groups = blk.width / GROUP;
         let nibble = _mm256_set1_epi8(15);
         let ones = _mm256_set1_epi16(1);
@@ -443,11 +452,10 @@ mod x86 {
     pub unsafe fn dot_half<const R: usize>(
         blk: &Block<'_>,
         half: usize,
-        xs: &[i8],
-        sx: &[f32],
-        xsum: &[f32],
+        rows: &Rows<'_>,
         acc: &mut [f32],
     ) {
+        let Rows { xs, sx, xsum } = *rows;
         let groups = blk.width / GROUP;
         let nibble = _mm256_set1_epi8(15);
         let ones = _mm256_set1_epi16(1);
