@@ -164,12 +164,10 @@ fn check(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], d: &Dims) -> Result<(
             d.heads, d.kv_heads
         )));
     }
-    if d.pos + d.rows > d.capacity {
+    if d.pos.checked_add(d.rows).is_none_or(|end| end > d.capacity) {
         return Err(Error::value(format!(
-            "rows at positions {}..{} do not fit a cache of {} slots",
-            d.pos,
-            d.pos + d.rows,
-            d.capacity
+            "{} rows from position {} do not fit a cache of {} slots",
+            d.rows, d.pos, d.capacity
         )));
     }
     let qn = d.heads * d.rows * d.head_dim;
@@ -1203,6 +1201,13 @@ mod tests {
             ..d
         };
         let mut out = vec![0.0; 16];
+        let err = attend(&[0.0; 16], &[0.0; 32], &[0.0; 32], &mut out, &d).unwrap_err();
+        assert!(err.to_string().contains("do not fit"), "{err}");
+        // A position whose end overflows is the same error, not a panic.
+        let d = Dims {
+            pos: usize::MAX,
+            ..d
+        };
         let err = attend(&[0.0; 16], &[0.0; 32], &[0.0; 32], &mut out, &d).unwrap_err();
         assert!(err.to_string().contains("do not fit"), "{err}");
     }

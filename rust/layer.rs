@@ -236,12 +236,10 @@ fn check(
             s.capacity
         ));
     }
-    if s.pos + rows > s.capacity {
+    if s.pos.checked_add(rows).is_none_or(|end| end > s.capacity) {
         return bad(format!(
-            "rows at positions {}..{} do not fit a cache of {} slots",
-            s.pos,
-            s.pos + rows,
-            s.capacity
+            "{rows} rows from position {} do not fit a cache of {} slots",
+            s.pos, s.capacity
         ));
     }
     Ok(())
@@ -493,6 +491,12 @@ mod tests {
         assert!(err.to_string().contains("k_cache"), "{err}");
         let (mut k, mut v) = (vec![0.0; n], vec![0.0; n]);
         assert!(forward(&mut x, &w, &SHAPE, &c[..6], &c, &mut k, &mut v).is_err());
+        let far = Shape {
+            pos: usize::MAX,
+            ..SHAPE
+        };
+        let err = forward(&mut x, &w, &far, &c, &c, &mut k, &mut v).unwrap_err();
+        assert!(err.to_string().contains("do not fit"), "{err}");
         forward(&mut x, &w, &SHAPE, &c, &c, &mut k, &mut v).unwrap();
     }
 }

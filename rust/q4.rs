@@ -238,16 +238,16 @@ impl Q4Matrix {
                     1 => x86::dot::<1>(&block, &rows, acc),
                     2 => x86::dot::<2>(&block, &rows, acc),
                     _ => {
+                        let half_kernel = match m {
+                            3 => x86::dot_half::<3>,
+                            4 => x86::dot_half::<4>,
+                            5 => x86::dot_half::<5>,
+                            6 => x86::dot_half::<6>,
+                            7 => x86::dot_half::<7>,
+                            _ => x86::dot_half::<8>,
+                        };
                         for half in 0..2 {
-                            let f = match m {
-                                3 => x86::dot_half::<3>,
-                                4 => x86::dot_half::<4>,
-                                5 => x86::dot_half::<5>,
-                                6 => x86::dot_half::<6>,
-                                7 => x86::dot_half::<7>,
-                                _ => x86::dot_half::<8>,
-                            };
-                            f(&block, half, &rows, acc);
+                            half_kernel(&block, half, &rows, acc);
                         }
                     }
                 }
@@ -289,8 +289,7 @@ impl Product for Q4Matrix {
 }
 
 /// n rows as chunks of at most ROWS, as even as can be: 9 rows go as 5 and 4, not 8 and 1 (a
-/// chunk of 1-2 rows takes the kernel for 1-2 rows, whose unpacking costs 3-5 times more a
-/// multiply).
+/// chunk of 1-2 rows takes `dot`, whose unpacking costs 4-8 times more a multiply).
 fn chunks(n: usize) -> impl Iterator<Item = usize> {
     let parts = n.div_ceil(ROWS).max(1);
     (0..parts).map(move |i| n / parts + usize::from(i < n % parts))
@@ -445,8 +444,8 @@ mod x86 {
     }
 
     /// One half of a block (8 output rows) for R = 3..=8 input rows: each pair's 32 bytes are
-    /// unpacked once for all R rows, so the unpacking shrinks to a fifth of `dot::<2>`'s per
-    /// multiply. A block is read twice (once per half), the second time from L1; for 1-2 rows,
+    /// unpacked once for all R rows, so at 8 rows the unpacking costs a quarter of `dot::<2>`'s
+    /// per multiply. A block is read twice (once per half), the second time from L1; for 1-2 rows,
     /// whose passes read the weights from memory, `dot` reads them once.
     #[target_feature(enable = "avx2,f16c")]
     pub unsafe fn dot_half<const R: usize>(

@@ -152,7 +152,7 @@ impl PyInt8Layers {
         mut v_cache: PyReadwriteArray4<'_, f32>,
         pos: usize,
         feature_layers: Vec<usize>,
-        features: Option<PyReadwriteArray3<'_, f32>>,
+        mut features: Option<PyReadwriteArray3<'_, f32>>,
     ) -> PyResult<()> {
         let ks = k_cache.shape().to_vec();
         if v_cache.shape() != ks.as_slice() {
@@ -174,7 +174,6 @@ impl PyInt8Layers {
         let x = slice_mut!("x", x);
         let k = slice_mut!("k_cache", k_cache);
         let v = slice_mut!("v_cache", v_cache);
-        let mut features = features;
         let feats: &mut [f32] = match features.as_mut() {
             Some(f) => slice_mut!("features", f),
             None => &mut [],

@@ -312,7 +312,7 @@ class EagleHead(nn.Module):
         if w.device.type != "cpu":  # no quantizing or prepacking there: the copy is cheap
             return FastLinears(self, int8)
         params = tuple((p.data_ptr(), p._version) for p in self.parameters())
-        key = (int8, w.device, w.dtype, params)
+        key = (int8, w.dtype, params)
         cached = _FAST.get(self)
         if cached is None or cached[0] != key:
             cached = _FAST[self] = (key, FastLinears(self, int8))

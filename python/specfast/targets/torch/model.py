@@ -293,7 +293,7 @@ class Model(nn.Module):
         self._packed: list | None = None  # oneDNN-prepacked CPU weights, built on first use
         self._plain_released = False  # the packed copy replaced the plain weights
         self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
-        self._int8_args: tuple = (None, None)  # see _int8_stack
+        self._stack: tuple = (None, None)  # (packing, its Int8Layers): see _int8_stack
         self.prepack = True
         self.weight_kind = "float"  # "int8" or "q4" after quantize_int8
         # The file's layer matrices were 4-bit (a Q4 GGUF): weights="auto" may pick q4.
@@ -513,7 +513,7 @@ class Model(nn.Module):
         self._restore_plain()
         self._packed = None
         self._rows_cache = {}
-        self._int8_args = (None, None)
+        self._stack = (None, None)
 
     def quantize_int8(self, weights: str = "int8") -> Model:
         """Runs every matrix but the embedding lookup in the core with int8 activations, on CPU
@@ -668,14 +668,10 @@ class Model(nn.Module):
         place on x. cos, sin (T, 1, hd); `attend` is unused (the core attends)."""
         x = x.float().contiguous()  # (T, D)
         cos, sin = cos[:, 0].contiguous().numpy(), sin[:, 0].contiguous().numpy()  # (T, hd)
-        stack = self._int8_stack(packed)
-        if aux is None:
-            stack.forward(x.numpy(), cos, sin, cache.k.numpy(), cache.v.numpy(), pos)
-            return x
-        ids = list(aux)
-        feats = torch.empty(len(ids), *x.shape)  # (n, T, D)
+        ids = list(aux or ())
+        feats = torch.empty(len(ids), *x.shape)  # (n, T, D): the input of each aux layer
         kv = cache.k.numpy(), cache.v.numpy()
-        stack.forward(x.numpy(), cos, sin, *kv, pos, ids, feats.numpy())
+        self._int8_stack(packed).forward(x.numpy(), cos, sin, *kv, pos, ids, feats.numpy())
         for i, f in zip(ids, feats, strict=True):
             aux[i] = f
         return x
@@ -683,15 +679,15 @@ class Model(nn.Module):
     def _int8_stack(self, packed) -> Int8Layers:
         """The core's stack of this model's int8 layers, made once per packing (making the
         arguments of 30 layer calls took ~1 ms of a small model's pass)."""
-        if self._int8_args[0] is not packed:
+        if self._stack[0] is not packed:
             args = []
             for layer, (qkv, o, gate_up, down) in zip(self.layers, packed, strict=False):
                 bias = layer.wqkv.bias
                 bias = None if bias is None else bias.detach().numpy()
                 attn, ffn = layer.attn_norm.detach().numpy(), layer.ffn_norm.detach().numpy()
                 args.append((attn, qkv, bias, o, ffn, gate_up, down))
-            self._int8_args = (packed, Int8Layers(args, self.config.n_heads, self.config.norm_eps))
-        return self._int8_args[1]
+            self._stack = (packed, Int8Layers(args, self.config.n_heads, self.config.norm_eps))
+        return self._stack[1]
 
     def _head(self, x, head, packed) -> torch.Tensor:
         x = F.rms_norm(x, (self.config.dim,), self.norm, self.config.norm_eps)
