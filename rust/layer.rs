@@ -129,10 +129,51 @@ pub fn forward(
     Ok(())
 }
 
+/// A model's final norm and vocabulary projection.
+pub struct Head<'a> {
+    /// (dim,) RMSNorm weight.
+    pub norm: &'a [f32],
+    pub eps: f32,
+    /// (V, dim).
+    pub output: &'a dyn Product,
+}
+
+impl Head<'_> {
+    /// logits (R, V) <- the projection of the last R rows of x (T, dim), each normed on its own.
+    pub fn logits(&self, x: &[f32], logits: &mut [f32]) -> Result<()> {
+        self.check(x.len(), logits.len())?;
+        let dim = self.norm.len();
+        let r = logits.len() / self.output.rows();
+        let mut normed = vec![0.0f32; r * dim];
+        rms_norm(&x[x.len() - r * dim..], self.norm, self.eps, &mut normed);
+        self.output.matmul(&normed, logits, Kernel::best())
+    }
+
+    fn check(&self, x_len: usize, logits_len: usize) -> Result<()> {
+        let (dim, v) = (self.norm.len(), self.output.rows());
+        if dim == 0 || self.output.cols() != dim || !x_len.is_multiple_of(dim) {
+            return Err(Error::value(format!(
+                "the head needs x of rows of dim = {dim} and an output matrix of {dim} columns; \
+                 got {x_len} values and {} columns",
+                self.output.cols()
+            )));
+        }
+        if !logits_len.is_multiple_of(v) || logits_len / v > x_len / dim {
+            return Err(Error::value(format!(
+                "logits must be (R, V) with V = {v} and R at most x's {} rows; got {logits_len} \
+                 values",
+                x_len / dim
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// x (T, dim) <- every layer of `layers` applied in turn: [`forward`] for layer l over its cache
 /// (k_cache, v_cache: (L, Hkv, S, hd), layer l's part at l·Hkv·S·hd). One call for a whole pass,
 /// so that nothing runs between the layers. `features` (n, T, dim) gets, for each
 /// `feature_layers[j]`, the residual stream entering that layer (an EAGLE-3 head reads them).
+/// With `head`, its logits buffer (R, V) then gets [`Head::logits`] of the last R rows.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_layers(
     x: &mut [f32],
@@ -144,6 +185,7 @@ pub fn forward_layers(
     v_cache: &mut [f32],
     feature_layers: &[usize],
     features: &mut [f32],
+    head: Option<(&Head<'_>, &mut [f32])>,
 ) -> Result<()> {
     let n = layers.len();
     let per_layer = s.kv_heads * s.capacity * s.head_dim;
@@ -165,6 +207,9 @@ pub fn forward_layers(
             x.len()
         )));
     }
+    if let Some((h, logits)) = &head {
+        h.check(x.len(), logits.len())?;
+    }
     // Every layer's shapes first, so that a bad one fails before the cache changes.
     for (w, (k, v)) in layers.iter().zip(
         k_cache
@@ -182,7 +227,10 @@ pub fn forward_layers(
         }
         forward(x, w, s, cos, sin, k, v)?;
     }
-    Ok(())
+    match head {
+        Some((h, logits)) => h.logits(x, logits),
+        None => Ok(()),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -427,6 +475,7 @@ mod tests {
             &mut v,
             &[2, 1],
             &mut features,
+            None,
         )
         .unwrap();
         let mut each = x.clone();
@@ -449,6 +498,7 @@ mod tests {
     #[test]
     fn a_stack_checks_before_it_writes() {
         let ls = [layer(true), layer(true)];
+        let output = output_matrix();
         let ws: Vec<Weights<'_>> = ls.iter().map(Layer::weights).collect();
         let n = 2 * 40 * 12;
         let c = vec![1.0; 12];
@@ -457,9 +507,42 @@ mod tests {
         let mut f = vec![0.0; DIM];
         let short = &mut vec![0.0; n];
         for err in [
-            forward_layers(&mut x, &ws, &SHAPE, &c, &c, short, &mut v, &[], &mut []),
-            forward_layers(&mut x, &ws, &SHAPE, &c, &c, &mut k, &mut v, &[2], &mut f),
-            forward_layers(&mut x, &ws, &SHAPE, &c, &c, &mut k, &mut v, &[0, 1], &mut f),
+            forward_layers(
+                &mut x,
+                &ws,
+                &SHAPE,
+                &c,
+                &c,
+                short,
+                &mut v,
+                &[],
+                &mut [],
+                None,
+            ),
+            forward_layers(
+                &mut x,
+                &ws,
+                &SHAPE,
+                &c,
+                &c,
+                &mut k,
+                &mut v,
+                &[2],
+                &mut f,
+                None,
+            ),
+            forward_layers(
+                &mut x,
+                &ws,
+                &SHAPE,
+                &c,
+                &c,
+                &mut k,
+                &mut v,
+                &[0, 1],
+                &mut f,
+                None,
+            ),
             forward_layers(
                 &mut x,
                 &ws,
@@ -470,13 +553,81 @@ mod tests {
                 &mut v,
                 &[],
                 &mut [],
+                None,
+            ),
+            // logits for 2 rows of a 1-row pass
+            forward_layers(
+                &mut x,
+                &ws,
+                &SHAPE,
+                &c,
+                &c,
+                &mut k,
+                &mut v,
+                &[],
+                &mut [],
+                Some((&head(&output), &mut vec![0.0; 2 * VOCAB])),
             ),
         ] {
             assert!(err.is_err());
         }
         assert!(k.iter().chain(&v).all(|&e| e == 0.0) && x == vec![0.5; DIM]);
-        forward_layers(&mut x, &ws, &SHAPE, &c, &c, &mut k, &mut v, &[1], &mut f).unwrap();
+        let logits = &mut [0.0; VOCAB];
+        let h = Some((&head(&output), &mut logits[..]));
+        forward_layers(&mut x, &ws, &SHAPE, &c, &c, &mut k, &mut v, &[1], &mut f, h).unwrap();
         assert!(k.iter().any(|&e| e != 0.0) && x != vec![0.5; DIM]);
+        assert!(logits.iter().all(|l| l.is_finite() && *l != 0.0));
+    }
+
+    const VOCAB: usize = 37;
+
+    fn head(output: &Int8Matrix) -> Head<'_> {
+        Head {
+            norm: &NORM,
+            eps: 1e-5,
+            output,
+        }
+    }
+
+    static NORM: [f32; DIM] = [0.75; DIM];
+
+    fn output_matrix() -> Int8Matrix {
+        Int8Matrix::quantize(&values(VOCAB * DIM, 21, 1.0), VOCAB, DIM).unwrap()
+    }
+
+    /// The head's logits are the output matrix times each normed row, for the last R rows
+    /// alone: 1 row of a 3-row pass gives what the 3 rows give for it, bit for bit.
+    #[test]
+    fn head_projects_the_last_rows() {
+        let output = output_matrix();
+        let h = head(&output);
+        let x = values(3 * DIM, 22, 3.0);
+        let mut all = vec![0.0; 3 * VOCAB];
+        h.logits(&x, &mut all).unwrap();
+        let mut last = vec![0.0; VOCAB];
+        h.logits(&x, &mut last).unwrap();
+        assert_eq!(last, all[2 * VOCAB..]);
+        for (r, row) in x.chunks_exact(DIM).enumerate() {
+            let ms = row.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / DIM as f64;
+            let normed: Vec<f32> = row
+                .iter()
+                .map(|&v| (f64::from(v) * 0.75 / (ms + 1e-5).sqrt()) as f32)
+                .collect();
+            let mut want = vec![0.0; VOCAB];
+            output.matmul(&normed, &mut want, Kernel::best()).unwrap();
+            for (a, b) in all[r * VOCAB..(r + 1) * VOCAB].iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-3 * (1.0 + b.abs()),
+                    "row {r}: {a} vs {b}"
+                );
+            }
+        }
+        // the unnormed rows give other logits: the norm is applied
+        let mut raw = vec![0.0; VOCAB];
+        output.matmul(&x[..DIM], &mut raw, Kernel::best()).unwrap();
+        assert!(raw.iter().zip(&all).any(|(a, b)| (a - b).abs() > 1e-2));
+        assert!(h.logits(&x, &mut vec![0.0; 4 * VOCAB]).is_err());
+        assert!(h.logits(&x, &mut [0.0; VOCAB + 1]).is_err());
     }
 
     #[test]

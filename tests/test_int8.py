@@ -200,8 +200,18 @@ def test_int8_smollm_speculation_equals_its_own_plain_greedy(smollm_gguf, monkey
 def test_per_tensor_activation_scales_break_speculative_exactness(monkeypatch):
     """Negative control for the test above, on a tiny model so it needs no file: with one
     activation scale shared by the rows of a pass, a verify pass no longer equals one-token
-    passes, and the speculative output drifts from plain greedy."""
+    passes, and the speculative output drifts from plain greedy. In float32 the whole pass runs
+    in the core; in bfloat16 torch runs it, each product through `int8_linear`, which the fault
+    replaces."""
     import specfast.targets.torch.model as model_module
+
+    def verify_equals_rows(model) -> bool:
+        d = model.decoder(128)
+        d.forward(ids[:40])
+        whole = d.forward(ids[40:49])
+        d.rollback(40)
+        rows = torch.cat([d.forward(ids[40 + i : 41 + i]) for i in range(9)])
+        return torch.equal(whole, rows)
 
     def per_tensor(x, m):
         q, sw = m.weights()
@@ -211,15 +221,11 @@ def test_per_tensor_activation_scales_break_speculative_exactness(monkeypatch):
         y = (qx.double() @ torch.from_numpy(q).double().T).float() * (s * torch.from_numpy(sw))
         return y.view(*x.shape[:-1], m.rows).to(x.dtype)
 
-    model = tiny_model().quantize_int8()
+    model = tiny_model().to(torch.bfloat16).quantize_int8()
     ids = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(1))
+    assert verify_equals_rows(model)
     monkeypatch.setattr(model_module, "int8_linear", per_tensor)
-    d = model.decoder(128)
-    d.forward(ids[:40])
-    whole = d.forward(ids[40:49])
-    d.rollback(40)
-    rows = torch.cat([d.forward(ids[40 + i : 41 + i]) for i in range(9)])
-    assert not torch.equal(whole, rows)
+    assert not verify_equals_rows(model)
 
 
 def test_weights_option():

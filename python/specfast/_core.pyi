@@ -94,10 +94,18 @@ _LayerWeights = tuple[
 
 @final
 class Int8Layers:
-    """A model's int8 or 4-bit layers, run over a pass in one call. layers: per layer (attn_norm,
-    qkv, qkv_bias or None, o, ffn_norm, gate_up, down)."""
+    """A model's int8 or 4-bit layers and its head, run over a pass in one call. layers: per
+    layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down); norm and output: the
+    final norm and the vocabulary projection."""
 
-    def __new__(cls, layers: Sequence[_LayerWeights], heads: int, eps: float) -> Int8Layers: ...
+    def __new__(
+        cls,
+        layers: Sequence[_LayerWeights],
+        heads: int,
+        eps: float,
+        norm: _Float32,
+        output: Int8Matrix | Q4Matrix,
+    ) -> Int8Layers: ...
     def forward(
         self,
         x: _Float32,
@@ -108,6 +116,7 @@ class Int8Layers:
         pos: int,
         feature_layers: Sequence[int] = ...,
         features: _Float32 | None = None,
+        logits: _Float32 | None = None,
     ) -> None: ...
     def __len__(self) -> int: ...
 

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use super::int8::PyInt8Matrix;
 use super::q4::PyQ4Matrix;
 use crate::int8::Product;
-use crate::layer::{self, Shape, Weights};
+use crate::layer::{self, Head, Shape, Weights};
 
 fn contiguous_error(name: &str) -> PyErr {
     PyValueError::new_err(format!("{name} must be a C-contiguous float32 array"))
@@ -99,23 +99,32 @@ type LayerArgs<'py> = (
     Bound<'py, PyAny>,
 );
 
-/// A model's int8 or 4-bit layers, run over a pass in one call with the interpreter released.
-/// It holds the weight matrices and copies of the norms and biases: built again whenever the
-/// model's weights change.
+/// A model's int8 or 4-bit layers and its head (final norm and output matrix), run over a pass
+/// in one call with the interpreter released. It holds the weight matrices and copies of the
+/// norms and biases: built again whenever the model's weights change.
 #[pyclass(frozen, name = "Int8Layers", module = "specfast._core")]
 pub struct PyInt8Layers {
     layers: Vec<Layer>,
     heads: usize,
     eps: f32,
+    norm: Vec<f32>,
+    output: Matrix,
 }
 
 #[pymethods]
 #[allow(clippy::needless_pass_by_value)] // numpy's borrowed arrays are extracted by value
 impl PyInt8Layers {
     /// layers: per layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down), the
-    /// norms and bias float32 arrays, the others Int8Matrix or Q4Matrix; heads: query heads.
+    /// norms and bias float32 arrays, the others Int8Matrix or Q4Matrix; heads: query heads;
+    /// norm (dim,) and output (V, dim): the final norm and the vocabulary projection.
     #[new]
-    fn new(layers: Vec<LayerArgs<'_>>, heads: usize, eps: f32) -> PyResult<Self> {
+    fn new(
+        layers: Vec<LayerArgs<'_>>,
+        heads: usize,
+        eps: f32,
+        norm: PyReadonlyArray1<'_, f32>,
+        output: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
         let copy = |name: &str, a: &PyReadonlyArray1<'_, f32>| -> PyResult<Vec<f32>> {
             Ok(a.as_slice().map_err(|_| contiguous_error(name))?.to_vec())
         };
@@ -133,14 +142,20 @@ impl PyInt8Layers {
                 })
             })
             .collect::<PyResult<Vec<Layer>>>()?;
-        Ok(PyInt8Layers { layers, heads, eps })
+        Ok(PyInt8Layers {
+            layers,
+            heads,
+            eps,
+            norm: copy("norm", &norm)?,
+            output: Matrix::new("output", output)?,
+        })
     }
 
     /// x (T, dim) <- every layer applied in turn, in place; writes the T new keys and values
     /// into k_cache, v_cache (L, Hkv, S, hd) at pos. cos, sin: (T, hd). features (n, T, dim), if
-    /// given, gets the residual stream entering each of feature_layers. Each row is computed on
-    /// its own.
-    #[pyo3(signature = (x, cos, sin, k_cache, v_cache, pos, feature_layers=Vec::new(), features=None))]
+    /// given, gets the residual stream entering each of feature_layers; logits (R, V), if given,
+    /// the head's logits for the last R rows. Each row is computed on its own.
+    #[pyo3(signature = (x, cos, sin, k_cache, v_cache, pos, feature_layers=Vec::new(), features=None, logits=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -153,6 +168,7 @@ impl PyInt8Layers {
         pos: usize,
         feature_layers: Vec<usize>,
         mut features: Option<PyReadwriteArray3<'_, f32>>,
+        mut logits: Option<PyReadwriteArray2<'_, f32>>,
     ) -> PyResult<()> {
         let ks = k_cache.shape().to_vec();
         if v_cache.shape() != ks.as_slice() {
@@ -178,8 +194,36 @@ impl PyInt8Layers {
             Some(f) => slice_mut!("features", f),
             None => &mut [],
         };
+        let vocab = self.output.product().rows();
+        let logits: Option<&mut [f32]> = match logits.as_mut() {
+            Some(l) if l.shape()[1] != vocab => {
+                return Err(PyValueError::new_err(format!(
+                    "logits must be (R, V) with V = {vocab}; got {:?}",
+                    l.shape()
+                )))
+            }
+            Some(l) => Some(slice_mut!("logits", l)),
+            None => None,
+        };
+        let head = Head {
+            norm: &self.norm,
+            eps: self.eps,
+            output: self.output.product(),
+        };
+        let head = logits.map(|l| (&head, l));
         py.detach(|| {
-            layer::forward_layers(x, &weights, &shape, cos, sin, k, v, &feature_layers, feats)
+            layer::forward_layers(
+                x,
+                &weights,
+                &shape,
+                cos,
+                sin,
+                k,
+                v,
+                &feature_layers,
+                feats,
+                head,
+            )
         })?;
         Ok(())
     }

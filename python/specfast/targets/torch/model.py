@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -579,16 +578,23 @@ class Model(nn.Module):
                 return attend_rows(q, cache.k[i], cache.v[i], groups, g)
             return attention(q, k_all, v_all, mask, causal)
 
+        packed = self.packed_weights()
+        aux: dict | None = None if aux_layers is None else dict.fromkeys(aux_layers)
         # int8 rounds every activation, so a last-bit difference between a verify pass's row
         # and a one-token pass grows into a different token; int8 passes compute every part
-        # of a row as a one-row pass would. In float32 on CPU each layer is one call into the
-        # core (rust/layer.rs); in other dtypes torch computes attention row by row.
-        layers = self._layers
+        # of a row as a one-row pass would. In float32 on CPU the whole pass, head included, is
+        # one call into the core (rust/layer.rs); in other dtypes torch computes attention row
+        # by row.
+        if self.int8 and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu":
+            rows = 1 if last_only else T
+            logits = None if head is not None else torch.empty(rows, self.vocab_size)
+            x = self._int8_layers(self.embed(ids), cos, sin, packed, aux, cache, pos, logits)
+            if logits is None:
+                logits = self._head(x[-1:] if last_only else x, head, packed)
+            return logits if aux is None else (logits, _features(aux, aux_layers))
         groups = mask = None
         causal = False
-        if self.int8 and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu":
-            layers = functools.partial(self._int8_layers, cache=cache, pos=pos)
-        elif self.int8 and T <= INT8_SERIAL_ROWS:
+        if self.int8 and T <= INT8_SERIAL_ROWS:
             groups = row_groups(pos, T, cache.k.shape[2], ids.device)
         elif T > 1 and pos == 0:
             causal = True  # keys [0, T): query i sees [0, i]
@@ -597,14 +603,9 @@ class Model(nn.Module):
             # mask).
             mask = torch.ones(T, L, dtype=torch.bool, device=ids.device).tril_(pos)  # (T, L)
 
-        packed = self.packed_weights()
-        if aux_layers is None:
-            x = layers(self.embed(ids), cos, sin, attend, packed)
-            return self._head(x[-1:] if last_only else x, head, packed)
-        aux: dict = dict.fromkeys(aux_layers)
-        x = layers(self.embed(ids), cos, sin, attend, packed, aux)
-        features = torch.cat([aux[i] for i in aux_layers], dim=-1)  # (T, n*D)
-        return self._head(x[-1:] if last_only else x, head, packed), features
+        x = self._layers(self.embed(ids), cos, sin, attend, packed, aux)
+        logits = self._head(x[-1:] if last_only else x, head, packed)
+        return logits if aux is None else (logits, _features(aux, aux_layers))
 
     def forward_static(
         self,
@@ -663,15 +664,17 @@ class Model(nn.Module):
             x = x + linear(F.silu(gate) * up, layer.w_down.weight, pw[3])
         return x
 
-    def _int8_layers(self, x, cos, sin, attend, packed, aux=None, *, cache, pos) -> torch.Tensor:
+    def _int8_layers(self, x, cos, sin, packed, aux, cache, pos, logits=None) -> torch.Tensor:
         """_layers for int8 weights in float32 on CPU: the whole stack in one core call, in
-        place on x. cos, sin (T, 1, hd); `attend` is unused (the core attends)."""
+        place on x (T, D). cos, sin (T, 1, hd). `logits` (R, V), if given, gets the head's
+        logits for the last R rows from the same call."""
         x = x.float().contiguous()  # (T, D)
         cos, sin = cos[:, 0].contiguous().numpy(), sin[:, 0].contiguous().numpy()  # (T, hd)
         ids = list(aux or ())
         feats = torch.empty(len(ids), *x.shape)  # (n, T, D): the input of each aux layer
         kv = cache.k.numpy(), cache.v.numpy()
-        self._int8_stack(packed).forward(x.numpy(), cos, sin, *kv, pos, ids, feats.numpy())
+        out = None if logits is None else logits.numpy()
+        self._int8_stack(packed).forward(x.numpy(), cos, sin, *kv, pos, ids, feats.numpy(), out)
         for i, f in zip(ids, feats, strict=True):
             aux[i] = f
         return x
@@ -686,7 +689,8 @@ class Model(nn.Module):
                 bias = None if bias is None else bias.detach().numpy()
                 attn, ffn = layer.attn_norm.detach().numpy(), layer.ffn_norm.detach().numpy()
                 args.append((attn, qkv, bias, o, ffn, gate_up, down))
-            self._stack = (packed, Int8Layers(args, self.config.n_heads, self.config.norm_eps))
+            c, norm = self.config, self.norm.detach().numpy()
+            self._stack = (packed, Int8Layers(args, c.n_heads, c.norm_eps, norm, packed[-1]))
         return self._stack[1]
 
     def _head(self, x, head, packed) -> torch.Tensor:
@@ -696,6 +700,11 @@ class Model(nn.Module):
         if packed:  # (output_weight would rebuild a dense copy of a packed head: not read)
             return linear(x, None, packed[-1])  # (T, V)
         return F.linear(x, self.output_weight)  # (T, V)
+
+
+def _features(aux: dict, aux_layers) -> torch.Tensor:
+    """The inputs of the aux layers, concatenated in the order asked for -> (T, n*D)."""
+    return torch.cat([aux[i] for i in aux_layers], dim=-1)
 
 
 class OutputRows:
