@@ -506,75 +506,28 @@ mod tests {
         let (mut k, mut v) = (vec![0.0; 2 * n], vec![0.0; 2 * n]);
         let mut f = vec![0.0; DIM];
         let short = &mut vec![0.0; n];
+        let h = head(&output);
+        // one thing wrong in each
+        macro_rules! stack {
+            ($k:expr, $cos:expr, $layers:expr, $f:expr, $head:expr) => {
+                forward_layers(
+                    &mut x, &ws, &SHAPE, $cos, &c, $k, &mut v, $layers, $f, $head,
+                )
+            };
+        }
+        let two_rows = &mut [0.0; 2 * VOCAB]; // logits for 2 rows of a 1-row pass
         for err in [
-            forward_layers(
-                &mut x,
-                &ws,
-                &SHAPE,
-                &c,
-                &c,
-                short,
-                &mut v,
-                &[],
-                &mut [],
-                None,
-            ),
-            forward_layers(
-                &mut x,
-                &ws,
-                &SHAPE,
-                &c,
-                &c,
-                &mut k,
-                &mut v,
-                &[2],
-                &mut f,
-                None,
-            ),
-            forward_layers(
-                &mut x,
-                &ws,
-                &SHAPE,
-                &c,
-                &c,
-                &mut k,
-                &mut v,
-                &[0, 1],
-                &mut f,
-                None,
-            ),
-            forward_layers(
-                &mut x,
-                &ws,
-                &SHAPE,
-                &c[..6],
-                &c,
-                &mut k,
-                &mut v,
-                &[],
-                &mut [],
-                None,
-            ),
-            // logits for 2 rows of a 1-row pass
-            forward_layers(
-                &mut x,
-                &ws,
-                &SHAPE,
-                &c,
-                &c,
-                &mut k,
-                &mut v,
-                &[],
-                &mut [],
-                Some((&head(&output), &mut vec![0.0; 2 * VOCAB])),
-            ),
+            stack!(short, &c, &[], &mut [], None),
+            stack!(&mut k, &c, &[2], &mut f, None),
+            stack!(&mut k, &c, &[0, 1], &mut f, None),
+            stack!(&mut k, &c[..6], &[], &mut [], None),
+            stack!(&mut k, &c, &[], &mut [], Some((&h, &mut two_rows[..]))),
         ] {
             assert!(err.is_err());
         }
         assert!(k.iter().chain(&v).all(|&e| e == 0.0) && x == vec![0.5; DIM]);
         let logits = &mut [0.0; VOCAB];
-        let h = Some((&head(&output), &mut logits[..]));
-        forward_layers(&mut x, &ws, &SHAPE, &c, &c, &mut k, &mut v, &[1], &mut f, h).unwrap();
+        stack!(&mut k, &c, &[1], &mut f, Some((&h, &mut logits[..]))).unwrap();
         assert!(k.iter().any(|&e| e != 0.0) && x != vec![0.5; DIM]);
         assert!(logits.iter().all(|l| l.is_finite() && *l != 0.0));
     }
