@@ -239,3 +239,36 @@ def test_weights_option():
     assert model.weights == "int8" and "int8" in repr(model)
     with pytest.raises(ValueError, match="eagerly"):
         model.compile_steps()
+
+
+def test_the_core_head_is_the_final_norm_and_the_output_product():
+    """An int8 pass's logits come from the core call (final norm and output matrix there); they
+    match torch's norm followed by the same int8 product, and a logits buffer of the wrong shape
+    is an error before the cache changes."""
+    model = tiny_model().quantize_int8()
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        d = model.decoder(64)
+        logits = d.forward(ids)  # (12, V), the core's head
+        d.rollback(0)
+        normed = d.forward(ids, head=lambda h: h)  # torch's final norm, no projection
+    packed = model.packed_weights()
+    want = int8_linear(normed, packed[-1])
+    assert torch.allclose(logits, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits, int8_linear(normed * 2, packed[-1]), atol=1e-3)
+
+    stack = model._int8_stack(packed)
+    c = model.config
+    x = model.embed.weight[:1].detach().float().numpy().copy()
+    cos, sin = (t[:1].contiguous().numpy() for t in model.rope(1))
+    k, v = (np.zeros((c.n_layers, c.n_kv_heads, 8, c.head_dim), np.float32) for _ in range(2))
+    for bad in (
+        np.empty((1, c.vocab_size - 1), np.float32),
+        np.empty((2, c.vocab_size), np.float32),
+    ):
+        with pytest.raises(ValueError, match="logits"):
+            stack.forward(x, cos, sin, k, v, 0, logits=bad)
+    assert not k.any() and not v.any()
+    good = np.zeros((1, c.vocab_size), np.float32)
+    stack.forward(x, cos, sin, k, v, 0, logits=good)
+    assert k.any() and np.isfinite(good).all() and good.any()
