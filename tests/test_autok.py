@@ -219,6 +219,36 @@ def test_ngram_rates_carry_over_between_calls_on_one_target():
     assert shared_match_rates(target)["rates"] is again._rates  # the next call starts here
 
 
+def test_a_draft_models_rate_carries_over_to_the_next_call_with_the_same_draft():
+    """After a call whose draft model was never right, the next call with the same draft model
+    starts off (its rate, backoff and step cost carried), while a call with another draft
+    model starts from the prior and drafts."""
+
+    class Draft:  # a draft model, as far as identity goes
+        pass
+
+    target, head, other_head = Target(), Draft(), Draft()
+    first = AutoK()
+    first.use_match_rates(shared_match_rates(target), draft=head)
+    feed(first, 20, 2, 0, match=None, cost_per_token=0.2, draft_seconds=0.02)
+    again = AutoK()
+    again.use_match_rates(shared_match_rates(target), draft=head)
+    again.use_pass_costs(first._sums)
+    assert again.draft_step_seconds == pytest.approx(0.01)
+    assert [again.choose(None) for _ in range(20)] == [0] * 20
+    fresh = AutoK()
+    fresh.use_match_rates(shared_match_rates(target), draft=other_head)  # negative control
+    fresh.use_pass_costs(first._sums)
+    assert fresh.choose(None) > 0 and fresh.draft_step_seconds == 0.0
+    named = AutoK()  # a head named by a string is the same head the next time
+    named.use_match_rates(shared_match_rates(target), draft="eagle")
+    feed(named, 20, 2, 0, match=None, cost_per_token=0.2, draft_seconds=0.02)
+    by_name = AutoK()
+    by_name.use_match_rates(shared_match_rates(target), draft="eagle")
+    by_name.use_pass_costs(named._sums)
+    assert by_name.choose(None) == 0
+
+
 def test_a_long_draft_accepted_whole_rearms_backed_off_buckets():
     auto = AutoK()
     feed(auto, 20, 2, 0, match=3, cost_per_token=0.6)  # 3-token matches: backed off to 256

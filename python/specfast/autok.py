@@ -16,7 +16,8 @@ A bucket of matches of 3+ tokens whose rate says "off" is probed now and then, w
 backoff, so a workload that starts repeating is noticed; a long draft accepted whole re-arms
 every backed-off bucket. 1-2 token matches are not probed: repeating text outgrows them at once.
 
-The n-gram's rates outlive a call: each generate() call on a target starts from a copy of the
+The n-gram's rates outlive a call (and a draft model's, when the next call drafts with the same
+one): each generate() call on a target starts from a copy of the
 rates the last call on it ended with (`shared_match_rates`), as pass costs carry over, weighed
 as a prior (two observations' worth) so that a chat after a code edit relearns within two
 rounds. A fresh call's prior says a 3-8 token match is right 67-84 % of the time; in open chat
@@ -102,8 +103,8 @@ def measured_pass_costs(target) -> dict[int, float]:
 _MATCH_RATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def shared_match_rates(target) -> dict[str, dict]:
-    """The target's holder of the latest call's n-gram rates."""
+def shared_match_rates(target) -> dict:
+    """The target's holder of the latest call's rates, and of its draft model's name."""
     return _per_target(_MATCH_RATES, target)
 
 
@@ -113,6 +114,22 @@ def _per_target(table: weakref.WeakKeyDictionary, target) -> dict:
         return table.setdefault(target, {})
     except TypeError:
         return {}
+
+
+def _reference(draft):
+    """What names a draft model from one call to the next: its name, or a weak reference."""
+    if isinstance(draft, str):
+        return draft
+    try:
+        return weakref.ref(draft)
+    except TypeError:
+        return None
+
+
+def _is(reference, draft) -> bool:
+    if isinstance(draft, str):
+        return reference == draft
+    return isinstance(reference, weakref.ref) and reference() is draft
 
 
 def match_bucket(match_length: int | None) -> int | None:
@@ -155,12 +172,19 @@ class AutoK:
         """Fits pass cost from `sums` (shared_pass_costs(target)), updating them in place."""
         self._sums, self._fit = sums, None
 
-    def use_match_rates(self, latest: dict[str, dict]) -> None:
+    def use_match_rates(self, latest: dict, draft=None) -> None:
         """Starts the n-gram rates from a copy of the last call's on this target (`latest`, from
         shared_match_rates), probe backoff included, and leaves this call's there for the next
-        call. A draft model's calibration stays per call."""
+        call. `draft` is the draft model (the object, or the string naming an EAGLE head): when
+        the last call drafted with the same one, its rate and step cost carry over too, so a
+        call does not spend its first rounds relearning that the draft does not pay here. Its
+        confidence calibration stays per call."""
+        last = latest.get("draft")  # (weak reference or name, that call's AutoK)
+        same_draft = draft is not None and last is not None and _is(last[0], draft)
+        if same_draft:
+            self.draft_step_seconds = last[1].draft_step_seconds
         for bucket, r in list(latest.get("rates", {}).items()):  # one C call: thread-safe
-            if bucket is not None:
+            if bucket is not None or same_draft:
                 mine = self._rates[bucket] = copy.copy(r)
                 # The last call's rate is a prior for this one, not evidence about it: as strong
                 # as a fresh prior, so a chat after a code edit stops drafting within two rounds.
@@ -169,6 +193,8 @@ class AutoK:
                     mine.accepts *= CARRIED_WEIGHT / weight
                     mine.rejects *= CARRIED_WEIGHT / weight
         latest["rates"] = self._rates
+        if draft is not None:
+            latest["draft"] = (_reference(draft), self)
 
     def _rate(self, bucket: int | None) -> _Rate:
         if bucket not in self._rates:

@@ -31,14 +31,25 @@ def make_drafter(
     """The protocol object for generate()'s `drafter` argument: "ngram", None, an NgramDrafter
     (or any object with extend/propose), a draft model, a CombinedDrafter, or an EAGLE head
     ("eagle", "eagle:PATH", an EagleHead from load_eagle). Its auto k starts from the pass
-    costs earlier calls measured on this target and the n-gram rates the last call ended with
-    (autok.shared_pass_costs, autok.shared_match_rates)."""
+    costs earlier calls measured on this target and the rates the last call ended with: the
+    n-gram's, and the draft model's if it was the same one (autok.shared_pass_costs,
+    autok.shared_match_rates)."""
     made = _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids)
     auto = getattr(made, "auto", None)
     if auto is not None:
         auto.use_pass_costs(shared_pass_costs(target))
-        auto.use_match_rates(shared_match_rates(target))
+        auto.use_match_rates(shared_match_rates(target), draft=_draft_model(drafter))
     return made
+
+
+def _draft_model(drafter):
+    """The draft model behind generate()'s `drafter` argument (an object, or the string naming
+    an EAGLE head), or None for the n-gram and for no drafter."""
+    if isinstance(drafter, CombinedDrafter):
+        return drafter.model
+    if isinstance(drafter, str):
+        return drafter if drafter.partition(":")[0] == "eagle" else None
+    return drafter if isinstance(drafter, EagleHead) or is_model(drafter) else None
 
 
 def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids) -> Drafter:
