@@ -36,6 +36,31 @@ def test_costly_verification_switches_weak_evidence_off():
     assert any(ks)  # ... which still happens
 
 
+def test_a_draft_model_off_backs_off_its_probes_unless_one_is_accepted_whole():
+    """A draft model that does not pay is probed ever less often, even when probes get a draft
+    right now and then; a probe accepted whole probes again soon."""
+
+    def probes(auto, accepted: int) -> int:
+        n = 0
+        for _ in range(400):
+            k = auto.choose(None)
+            if k:
+                n += 1
+                auto.observe(k, min(accepted, k), 1.0 + 0.5 * k, 0.1 * k, None)
+            auto.observe(0, 0, 1.0, 0.0, None)
+        return n
+
+    auto = AutoK()
+    feed(auto, 20, 2, 0, match=None, cost_per_token=0.5, draft_seconds=0.1)
+    assert auto._best(None)[0] == 0  # off: its drafts were all rejected
+    some = probes(auto, 1)  # one of the probe's two drafts right each time: still off
+    assert auto._best(None)[0] == 0 and 0 < some < 12  # still off, probes 4, 8, 16... apart
+    auto = AutoK()
+    feed(auto, 20, 2, 0, match=None, cost_per_token=0.5, draft_seconds=0.1)
+    whole = probes(auto, 2)
+    assert whole > 2 * some  # negative control: whole probes keep probing (or turn it on)
+
+
 def test_short_matches_are_not_probed_once_off():
     auto = AutoK()
     for match in (1, 2, 3):

@@ -296,6 +296,57 @@ def test_eagle_plus_ngram_is_plain_greedy(target, plain, fitted_head, k):
     assert out.stats.draft_tokens > 0
 
 
+def test_a_long_catch_up_restarts_the_head_on_the_newest_rows(target, plain, fitted_head):
+    """Past CATCH_UP pending rows the head starts over on the newest of them: each catch-up
+    feeds at most that many, the output stays plain greedy, and the restarted head drafts what
+    a fresh head given only those rows drafts."""
+    import specfast
+    import specfast.drafters.eagle as eagle
+
+    window, fed_rows = 5, []
+    real_feed = eagle.EagleDraft._feed
+
+    def feed(self, features):
+        fed_rows.append(features.shape[0])
+        return real_feed(self, features)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(eagle, "CATCH_UP", window)
+    mp.setattr(eagle.EagleDraft, "_feed", feed)
+    try:
+        out = specfast.generate(
+            target, PROMPT, max_new_tokens=60, drafter=fitted_head, num_speculative_tokens=4
+        )
+        assert out.token_ids == plain and out.stats.draft_tokens > 0
+        assert fed_rows[0] == window < len(PROMPT) and max(fed_rows) <= window
+
+        layers = tuple(fitted_head.aux_layers)
+        with torch.inference_mode():
+            feats = target.decoder(128).forward(torch.tensor(PROMPT), features=layers)[1]
+
+        def first_draft(ids, rows):
+            d = eagle.EagleDraft(fitted_head, target, 4, 128)
+            d.start_turn(0, {"temperature": 1.0})  # sampled: q, the head's whole output, shows
+            d.extend(ids)
+            d.prefill(rows)
+            return d.propose(4).tokens, d.draft_probs
+
+        with torch.inference_mode():
+            # Features of positions [0, n - 1) for the whole prompt; the restart keeps the last
+            # `window` of them, which a fresh drafter gets as a sequence of its own.
+            long = first_draft(PROMPT, feats[:-1])
+            short = first_draft(PROMPT[-window - 1 :], feats[-window - 1 : -1])
+    finally:
+        mp.undo()
+    with torch.inference_mode():  # one row more, under the usual CATCH_UP: all of it is read
+        off = first_draft(PROMPT[-window - 2 :], feats[-window - 2 : -1])
+    assert long[0] == short[0] and len(long[0]) == 4
+    torch.testing.assert_close(long[1], short[1], atol=0, rtol=0)
+    # Negative control: a context one row longer drafts from another q, so the comparison
+    # sees which rows the restarted head read.
+    assert (off[1] - short[1]).abs().max() > 1e-4
+
+
 def test_eagle_and_ngram_both_draft_with_a_fixed_k(target, fitted_head, monkeypatch):
     import specfast
     import specfast.drafters.eagle

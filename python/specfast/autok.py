@@ -223,7 +223,14 @@ class AutoK:
             r = self._rate(match_bucket(match_length))
             r.accepts = self.decay * r.accepts + n_accepted
             r.rejects = self.decay * r.rejects + (n_accepted < n_draft)
-            r.probe_every = 4 if n_accepted else min(r.probe_every * 2, 256)
+            # A probe that found something re-arms frequent probing; one that did not backs off.
+            # For the n-gram, any accepted draft is news (text that repeats). A draft model
+            # whose rate says "off" still gets a draft right now and then (an EAGLE head in open
+            # text: 30-50 % of its first drafts), and re-arming on that probed every 4th round
+            # for good, each probe a catch-up and a longer pass: 4-5 % of open text's time.
+            # Only a probe accepted whole is news for it.
+            found = n_accepted == n_draft if match_length is None else n_accepted > 0
+            r.probe_every = 4 if found else min(r.probe_every * 2, 256)
             if n_accepted == n_draft >= REARM_K and match_length is not None:
                 # The text repeats after all: look again where short matches were written off.
                 for other in self._rates.values():

@@ -33,6 +33,13 @@ from specfast.sampling import copy_generator, logits_to_probs
 from specfast.targets.base import to_device
 from specfast.targets.torch.kv_cache import KVCache
 
+# The most rows one catch-up feeds the head. Rows the head has not read pile up while it does
+# not draft (the prompt, rounds the n-gram or plain decoding took); past this many, it starts
+# over on the newest CATCH_UP rows alone. Its drafts then come from a shorter context of its own
+# (the target's features still carry the whole one), and a probe after a long idle stretch
+# costs a few target steps at most, not a pass over everything skipped.
+CATCH_UP = 32
+
 # ----------------------------------------------------------------------------
 # the drafter
 
@@ -40,12 +47,14 @@ from specfast.targets.torch.kv_cache import KVCache
 class EagleDraft(Base):
     """Drafts a chain with an EAGLE-3 head (generate(..., drafter=head)).
 
-    The head's static KV cache holds positions [0, fed) computed from the target's real
-    features; positions past it are this round's drafts. After each verify the round hands over
-    the features of the rows the target kept (`Verified.features`); the next proposal rolls the
-    cache back to `fed` and re-feeds those positions with them, in one head pass whose last row
-    gives the first draft. So accepted drafts are re-read with the target's features, never the
-    head's own guesses.
+    The head's static KV cache holds positions [start, fed) computed from the target's real
+    features (its cache position 0 is the sequence's `start`); positions past it are this
+    round's drafts. After each verify the round hands over the features of the rows the target
+    kept (`Verified.features`); the next proposal rolls the cache back to `fed` and re-feeds
+    those positions with them, in one head pass whose last row gives the first draft. So
+    accepted drafts are re-read with the target's features, never the head's own guesses.
+    Features wait until the head drafts: a call it never drafts in costs it nothing, and a
+    catch-up longer than CATCH_UP rows restarts the head's context on the newest of them.
 
     q (sampling): the head's draft-vocabulary logits filtered as the target's
     (logits_to_probs), the draft sampled from that, and q scattered to target ids via d2t with
@@ -76,7 +85,9 @@ class EagleDraft(Base):
             self.fast = head.fast_linears(int8=getattr(target, "weights", "float") != "float")
         self.vocab_size = c.vocab_size
         self.committed: list[int] = []
-        self.fed = 0  # head cache positions [0, fed) hold the target's real features
+        # Head cache positions [0, fed - start) hold the target's real features of sequence
+        # positions [start, fed).
+        self.start = self.fed = 0
         # Target features of positions [fed, fed + n_pending), not fed yet: a list, so rounds
         # that do not draft (auto k) append in O(1) and the next draft concatenates once.
         self.pending: list[torch.Tensor] = []
@@ -107,17 +118,10 @@ class EagleDraft(Base):
 
     def prefill(self, features: torch.Tensor | None = None) -> None:
         """Takes the target's features of the rows this turn prefilled (the last len(features)
-        positions before the newest token) and feeds all but the last row into the head, so the
-        first proposal is one ordinary step."""
+        positions before the newest token); the head reads them when it next drafts."""
         if features is None:
             raise ValueError("the EAGLE drafter needs the target's features of the prompt")
         self._add_features(len(self.committed) - 1 - features.shape[0], features)
-        if self.n_pending > 1:
-            rows = self._take_pending()
-            self.cache.rollback(self.fed)
-            self._feed(rows[:-1])
-            self.fed += rows.shape[0] - 1
-            self.pending, self.n_pending = [rows[-1:]], 1
 
     def propose(self, budget: int) -> Proposal:
         k = self.fixed_k if self.auto is None else self.auto.choose_draft()
@@ -141,6 +145,7 @@ class EagleDraft(Base):
         known = max(len(self.committed) - 1, 0)
         if self.fed >= known:
             self.fed, self.pending, self.n_pending = known, [], 0
+            self.start = min(self.start, known)
         elif self.fed + self.n_pending > known:
             self.pending = [self._take_pending()[: known - self.fed]]
             self.n_pending = known - self.fed
@@ -157,6 +162,7 @@ class EagleDraft(Base):
             )
         if start < self.fed:  # the target recomputed rows the head had: take them again
             self.fed, self.pending = start, []
+            self.start = min(self.start, start)
         elif start < have:  # rows past `start` were recomputed: keep those before it
             self.pending = [self._take_pending()[: start - self.fed]]
         self.pending.append(features)
@@ -200,9 +206,13 @@ class EagleDraft(Base):
         return out
 
     def _draft(self, k: int) -> list[int]:
-        """Re-feeds the pending real rows, then drafts up to k tokens."""
+        """Re-feeds the pending real rows (the newest CATCH_UP of them, on a fresh context, when
+        there are more), then drafts up to k tokens."""
         rows = self._take_pending()
-        self.cache.rollback(self.fed)  # forget last round's drafts
+        if rows.shape[0] > CATCH_UP:
+            self.start = self.fed = self.fed + rows.shape[0] - CATCH_UP
+            rows = rows[-CATCH_UP:]
+        self.cache.rollback(self.fed - self.start)  # forget last round's drafts
         hidden = self._feed(rows)
         self.fed, self.pending, self.n_pending = self.fed + rows.shape[0], [], 0
         drafts, qs, confidences = [], [], []
