@@ -36,28 +36,31 @@ def test_costly_verification_switches_weak_evidence_off():
     assert any(ks)  # ... which still happens
 
 
-def test_a_draft_model_off_backs_off_its_probes_unless_one_is_accepted_whole():
+def test_a_draft_model_off_backs_off_its_probes_unless_two_are_accepted_whole():
     """A draft model that does not pay is probed ever less often, even when probes get a draft
-    right now and then; a probe accepted whole probes again soon."""
+    right now and then (or stop after one, which is right); two drafts accepted whole probe
+    again soon."""
 
-    def probes(auto, accepted: int) -> int:
+    def probes(auto, drafts: int, accepted: int) -> int:
         n = 0
         for _ in range(400):
-            k = auto.choose(None)
-            if k:
+            if auto.choose(None):  # the draft stops itself after `drafts` (keep_drafting)
                 n += 1
-                auto.observe(k, min(accepted, k), 1.0 + 0.5 * k, 0.1 * k, None)
+                auto.observe(drafts, accepted, 1.0 + 0.5 * drafts, 0.1 * drafts, None)
             auto.observe(0, 0, 1.0, 0.0, None)
         return n
 
-    auto = AutoK()
-    feed(auto, 20, 2, 0, match=None, cost_per_token=0.5, draft_seconds=0.1)
-    assert auto._best(None)[0] == 0  # off: its drafts were all rejected
-    some = probes(auto, 1)  # one of the probe's two drafts right each time: still off
-    assert auto._best(None)[0] == 0 and 0 < some < 12  # still off, probes 4, 8, 16... apart
-    auto = AutoK()
-    feed(auto, 20, 2, 0, match=None, cost_per_token=0.5, draft_seconds=0.1)
-    whole = probes(auto, 2)
+    def switched_off() -> AutoK:
+        auto = AutoK()
+        feed(auto, 20, 2, 0, match=None, cost_per_token=0.5, draft_seconds=0.1)
+        assert auto._best(None)[0] == 0  # off: its drafts were all rejected
+        return auto
+
+    for drafts, accepted in ((2, 1), (1, 1)):
+        auto = switched_off()
+        some = probes(auto, drafts, accepted)
+        assert auto._best(None)[0] == 0 and 0 < some < 12  # still off, probes 4, 8, 16... apart
+    whole = probes(switched_off(), 2, 2)
     assert whole > 2 * some  # negative control: whole probes keep probing (or turn it on)
 
 

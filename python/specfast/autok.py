@@ -69,6 +69,7 @@ MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of 
 CONFIDENCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.96, 0.98, 0.99, 0.995, 0.999)
 CARRIED_WEIGHT = 2.0  # observations' worth of a rate carried from the last call (a fresh prior's)
 REARM_K = 8  # a draft at least this long, accepted whole, re-arms backed-off buckets' probes
+MODEL_REARM_K = 2  # a draft model's probe re-arms its probing when this many are accepted whole
 # Shorter n-gram matches are never probed once their rate says "off": when text starts to repeat,
 # its matches grow past this within a token or two and the longer buckets take over. Replayed
 # over SmolLM2 and Qwen2.5-Coder on llama.cpp (benches/llama_replay.py), probing 1-2 token
@@ -225,11 +226,15 @@ class AutoK:
             r.rejects = self.decay * r.rejects + (n_accepted < n_draft)
             # A probe that found something re-arms frequent probing; one that did not backs off.
             # For the n-gram, any accepted draft is news (text that repeats). A draft model
-            # whose rate says "off" still gets a draft right now and then (an EAGLE head in open
-            # text: 30-50 % of its first drafts), and re-arming on that probed every 4th round
-            # for good, each probe a catch-up and a longer pass: 4-5 % of open text's time.
-            # Only a probe accepted whole is news for it.
-            found = n_accepted == n_draft if match_length is None else n_accepted > 0
+            # whose rate says "off" still gets its first draft right now and then (an EAGLE
+            # head in open text: 30-50 % of the time, and it often stops itself after one), and
+            # re-arming on that probed every 4th round for good, each probe a catch-up and a
+            # longer pass: 4-9 % of open text's time. Only a run of 2+ drafts accepted whole is
+            # news for it; its rate still counts every draft, and turns it on if they pay.
+            if match_length is None:
+                found = n_accepted == n_draft >= MODEL_REARM_K
+            else:
+                found = n_accepted > 0
             r.probe_every = 4 if found else min(r.probe_every * 2, 256)
             if n_accepted == n_draft >= REARM_K and match_length is not None:
                 # The text repeats after all: look again where short matches were written off.
