@@ -47,14 +47,14 @@ CATCH_UP = 32
 class EagleDraft(Base):
     """Drafts a chain with an EAGLE-3 head (generate(..., drafter=head)).
 
-    The head's static KV cache holds positions [start, fed) computed from the target's real
-    features (its cache position 0 is the sequence's `start`); positions past it are this
+    The head's static KV cache holds positions [origin, fed) computed from the target's real
+    features (its cache position 0 is the sequence's `origin`); positions past it are this
     round's drafts. After each verify the round hands over the features of the rows the target
     kept (`Verified.features`); the next proposal rolls the cache back to `fed` and re-feeds
     those positions with them, in one head pass whose last row gives the first draft. So
     accepted drafts are re-read with the target's features, never the head's own guesses.
-    Features wait until the head drafts: a call it never drafts in costs it nothing, and a
-    catch-up longer than CATCH_UP rows restarts the head's context on the newest of them.
+    Features wait until the head drafts: a call it never drafts in costs it nothing. Past
+    CATCH_UP waiting rows the head's context restarts on the newest of them.
 
     q (sampling): the head's draft-vocabulary logits filtered as the target's
     (logits_to_probs), the draft sampled from that, and q scattered to target ids via d2t with
@@ -85,9 +85,9 @@ class EagleDraft(Base):
             self.fast = head.fast_linears(int8=getattr(target, "weights", "float") != "float")
         self.vocab_size = c.vocab_size
         self.committed: list[int] = []
-        # Head cache positions [0, fed - start) hold the target's real features of sequence
-        # positions [start, fed).
-        self.start = self.fed = 0
+        # Head cache positions [0, fed - origin) hold the target's real features of sequence
+        # positions [origin, fed).
+        self.origin = self.fed = 0
         # Target features of positions [fed, fed + n_pending), not fed yet: a list, so rounds
         # that do not draft (auto k) append in O(1) and the next draft concatenates once.
         self.pending: list[torch.Tensor] = []
@@ -145,7 +145,7 @@ class EagleDraft(Base):
         known = max(len(self.committed) - 1, 0)
         if self.fed >= known:
             self.fed, self.pending, self.n_pending = known, [], 0
-            self.start = min(self.start, known)
+            self.origin = min(self.origin, known)
         elif self.fed + self.n_pending > known:
             self.pending = [self._take_pending()[: known - self.fed]]
             self.n_pending = known - self.fed
@@ -162,11 +162,24 @@ class EagleDraft(Base):
             )
         if start < self.fed:  # the target recomputed rows the head had: take them again
             self.fed, self.pending = start, []
-            self.start = min(self.start, start)
+            self.origin = min(self.origin, start)
         elif start < have:  # rows past `start` were recomputed: keep those before it
             self.pending = [self._take_pending()[: start - self.fed]]
         self.pending.append(features)
         self.n_pending = start - self.fed + features.shape[0]
+        self._keep_newest()
+
+    def _keep_newest(self) -> None:
+        """Past CATCH_UP pending rows, restarts the head's context on the newest CATCH_UP: the
+        rest are dropped now (whole chunks, then a view of one), so what waits stays bounded."""
+        extra = self.n_pending - CATCH_UP
+        if extra <= 0:
+            return
+        self.origin = self.fed = self.fed + extra
+        self.n_pending = CATCH_UP
+        while extra >= self.pending[0].shape[0]:
+            extra -= self.pending.pop(0).shape[0]
+        self.pending[0] = self.pending[0][extra:]
 
     def _take_pending(self) -> torch.Tensor:
         """The pending features as one (n_pending, F) tensor."""
@@ -206,13 +219,9 @@ class EagleDraft(Base):
         return out
 
     def _draft(self, k: int) -> list[int]:
-        """Re-feeds the pending real rows (the newest CATCH_UP of them, on a fresh context, when
-        there are more), then drafts up to k tokens."""
+        """Re-feeds the pending real rows, then drafts up to k tokens."""
         rows = self._take_pending()
-        if rows.shape[0] > CATCH_UP:
-            self.start = self.fed = self.fed + rows.shape[0] - CATCH_UP
-            rows = rows[-CATCH_UP:]
-        self.cache.rollback(self.fed - self.start)  # forget last round's drafts
+        self.cache.rollback(self.fed - self.origin)  # forget last round's drafts
         hidden = self._feed(rows)
         self.fed, self.pending, self.n_pending = self.fed + rows.shape[0], [], 0
         drafts, qs, confidences = [], [], []
