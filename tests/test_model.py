@@ -311,3 +311,23 @@ def test_cuda_matches_cpu(tiny_model, ids):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="model is on"):
         dec.forward(ids[:1])
+
+
+def test_argmax_rows_keeps_torchs_rules_on_ties_and_nans():
+    from specfast.targets.base import argmax_rows
+
+    nan = float("nan")
+    rows = torch.tensor(
+        [
+            [1.0, 5.0, 5.0, 2.0],  # a tie: the first index
+            [1.0, nan, 3.0, nan],  # a NaN counts as the largest: the first one
+            [-3.0, -1.0, -2.0, -1.0],
+            [-float("inf")] * 4,
+        ]
+    )
+    assert argmax_rows(rows).tolist() == [1, 1, 1, 0]
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(9, 49152, generator=g).round(decimals=1)  # many ties at the top
+    for logits in (big, big[:, ::2], big.bfloat16(), big[3]):
+        got = argmax_rows(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))

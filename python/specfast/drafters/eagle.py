@@ -30,7 +30,7 @@ from specfast.eagle.head import (
     load_eagle,
 )
 from specfast.sampling import copy_generator, logits_to_probs
-from specfast.targets.base import to_device
+from specfast.targets.base import argmax_rows, to_device
 from specfast.targets.torch.kv_cache import KVCache
 
 # The most rows one catch-up feeds the head. Rows the head has not read pile up while it does
@@ -245,7 +245,7 @@ class EagleDraft(Base):
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft row (1,) from logits (1, Vd), and the q (1, Vd) it was drawn from."""
         if self.greedy:
-            return logits.argmax(dim=-1), None
+            return argmax_rows(logits), None
         q = logits_to_probs(logits, **self.sampling)
         return torch.multinomial(q, 1, generator=self.generator)[0], q
 

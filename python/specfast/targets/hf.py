@@ -9,7 +9,7 @@ import inspect
 
 import torch
 
-from specfast.targets.base import check_ids, check_rollback, to_device
+from specfast.targets.base import argmax_rows, check_ids, check_rollback, to_device
 from specfast.targets.torch.model import Model
 
 
@@ -80,7 +80,7 @@ class HFDecoder:
 
     def forward_greedy(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (T,) -> (T,) argmax ids, on the device; appends T tokens."""
-        return self.forward(ids).argmax(dim=-1)
+        return argmax_rows(self.forward(ids))
 
     def greedy_ids(self, tokens: list[int]) -> list[int]:
         """forward_greedy over a list of ids -> the argmax id of every row, as ints."""

@@ -19,6 +19,7 @@ from torch import nn
 from specfast._core import Int8Layers
 from specfast.hardware import auto_dtype
 from specfast.targets.base import (
+    argmax_rows,
     check_aux_layers,
     check_ids,
     to_device,
@@ -814,9 +815,9 @@ class Decoder:
             if self._is_static(ids, False, None):
                 return self._static(ids)[1]
             with torch_threads(self.torch_threads or torch.get_num_threads()):
-                return self.forward(ids).argmax(dim=-1)
+                return argmax_rows(self.forward(ids))
         logits, feats = self.forward(ids, features=features)
-        return logits.argmax(dim=-1), feats
+        return argmax_rows(logits), feats
 
     def greedy_ids(self, tokens: list[int]) -> list[int]:
         """forward_greedy over a list of ids -> the argmax id of every row, as ints."""
