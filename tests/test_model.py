@@ -8,6 +8,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specfast import Model, ModelConfig
 from specfast._core import Int8Matrix
+from specfast.targets.base import argmax_rows
 from specfast.targets.torch import model as model_module
 from specfast.targets.torch.kv_cache import KVCache
 
@@ -314,8 +315,6 @@ def test_cuda_matches_cpu(tiny_model, ids):
 
 
 def test_argmax_rows_keeps_torchs_rules_on_ties_and_nans():
-    from specfast.targets.base import argmax_rows
-
     nan = float("nan")
     rows = torch.tensor(
         [
