@@ -9,13 +9,14 @@
 //!
 //! two exact integer sums and a few float operations. In every code path alike, for the groups
 //! in order, `acc += (Σ q·xq as f32) * (d * sx)`, then `acc += m * (sx * Σ xq as f32)`. So, as for
-//! int8, a row of a pass depends only on its own input row, and the scalar and AVX2 paths give
-//! the same bits.
+//! int8, a row of a pass depends only on its own input row, and the scalar, AVX2, AVX-VNNI and
+//! AVX-512 VNNI paths give the same bits.
 //!
 //! Why 4 bits: a decode step reads every weight once, so 5 bits a weight (4, plus d and m per 32)
 //! read in 5/8 of int8's time. And unsigned 4-bit values let AVX2's vpmaddubsw (u8 × s8) run
 //! without int8's sign juggling, and sum 8 of its i16 pairs before widening (8 · 2 · 15 · 127 <
-//! 2^15), which halves the multiplies a verify pass makes.
+//! 2^15), which halves the multiplies a verify pass makes; VNNI's vpdpbusd (u8 × s8 into i32)
+//! takes them as they are.
 //!
 //! Packed layout: blocks of 16 output rows; inside a block, per pair of runs of 4 features, 64
 //! bytes: byte i holds row i / 4, feature i % 4 of the first run in its low nibble and of the
@@ -32,6 +33,8 @@ use crate::int8::{
 const BLOCK: usize = 16;
 /// Input rows the AVX2 kernels take through a block at once (`x86::dot_half`).
 const ROWS: usize = 8;
+/// Input rows the AVX-512 VNNI kernel takes at once: a sum and a total a row, in 32 zmm.
+const VNNI_ROWS: usize = 12;
 /// Above this many input features the packing's indices could overflow (checked at
 /// construction); the i32 group sums cannot, whatever the width.
 pub const MAX_COLS: usize = 1 << 20;
@@ -178,11 +181,16 @@ impl Q4Matrix {
         let sums = group_sums(&acts);
         let blocks = self.rows.div_ceil(BLOCK);
         let out_ptr = SendPtr(out.as_mut_ptr());
+        let most = if kernel == Kernel::Avx512Vnni && has_f16c() {
+            VNNI_ROWS
+        } else {
+            ROWS
+        };
         let run = |range: std::ops::Range<usize>| {
-            let mut acc = [0.0f32; ROWS * BLOCK];
+            let mut acc = [0.0f32; VNNI_ROWS * BLOCK];
             for b in range {
                 let mut r0 = 0;
-                for m in chunks(n) {
+                for m in chunks(n, most) {
                     self.dot_block(kernel, b, &acts, &sums, r0, m, &mut acc);
                     self.write(b, r0, m, &acc, &acts.bad, out_ptr);
                     r0 += m;
@@ -201,7 +209,8 @@ impl Q4Matrix {
         Ok(())
     }
 
-    /// acc[i * 16 + lane] = row r0 + i's product with block b's 16 rows, for m ≤ ROWS rows.
+    /// acc[i * 16 + lane] = row r0 + i's product with block b's 16 rows, for m ≤ ROWS rows
+    /// (VNNI_ROWS for the AVX-512 VNNI kernel).
     #[allow(clippy::too_many_arguments)]
     fn dot_block(
         &self,
@@ -229,29 +238,55 @@ impl Q4Matrix {
             m: mn,
             width: self.width,
         };
-        match kernel {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: a kernel other than Scalar passed `supported()`, so the CPU has AVX2 (every
-            // such kernel's CPU has it); F16C is checked here. Slice lengths are as read.
-            Kernel::Avx2 | Kernel::AvxVnni | Kernel::Avx512Vnni if has_f16c() => unsafe {
+        // The AVX2-width kernels: whole blocks for 1-2 rows, half blocks for more.
+        #[cfg(target_arch = "x86_64")]
+        macro_rules! ymm {
+            ($dot:ident, $dot_half:ident) => {
                 match m {
-                    1 => x86::dot::<1>(&block, &rows, acc),
-                    2 => x86::dot::<2>(&block, &rows, acc),
+                    1 => x86::$dot::<1>(&block, &rows, acc),
+                    2 => x86::$dot::<2>(&block, &rows, acc),
                     _ => {
                         let half_kernel = match m {
-                            3 => x86::dot_half::<3>,
-                            4 => x86::dot_half::<4>,
-                            5 => x86::dot_half::<5>,
-                            6 => x86::dot_half::<6>,
-                            7 => x86::dot_half::<7>,
-                            _ => x86::dot_half::<8>,
+                            3 => x86::$dot_half::<3>,
+                            4 => x86::$dot_half::<4>,
+                            5 => x86::$dot_half::<5>,
+                            6 => x86::$dot_half::<6>,
+                            7 => x86::$dot_half::<7>,
+                            _ => x86::$dot_half::<8>,
                         };
                         for half in 0..2 {
                             half_kernel(&block, half, &rows, acc);
                         }
                     }
                 }
+            };
+        }
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a kernel other than Scalar passed `supported()`, so the CPU has AVX2 (every
+            // such kernel's CPU has it); F16C is checked here. Slice lengths are as read.
+            Kernel::Avx512Vnni if has_f16c() => unsafe {
+                match m {
+                    1 => x86::dot_vnni::<1>(&block, &rows, acc),
+                    2 => x86::dot_vnni::<2>(&block, &rows, acc),
+                    3 => x86::dot_vnni::<3>(&block, &rows, acc),
+                    4 => x86::dot_vnni::<4>(&block, &rows, acc),
+                    5 => x86::dot_vnni::<5>(&block, &rows, acc),
+                    6 => x86::dot_vnni::<6>(&block, &rows, acc),
+                    7 => x86::dot_vnni::<7>(&block, &rows, acc),
+                    8 => x86::dot_vnni::<8>(&block, &rows, acc),
+                    9 => x86::dot_vnni::<9>(&block, &rows, acc),
+                    10 => x86::dot_vnni::<10>(&block, &rows, acc),
+                    11 => x86::dot_vnni::<11>(&block, &rows, acc),
+                    _ => x86::dot_vnni::<12>(&block, &rows, acc),
+                }
             },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Kernel::Avx2 if has_f16c() => unsafe { ymm!(dot, dot_half) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Kernel::AvxVnni if has_f16c() => unsafe { ymm!(dot_avxvnni, dot_half_avxvnni) },
             _ => dot_scalar(&block, &rows, m, acc),
         }
     }
@@ -288,10 +323,11 @@ impl Product for Q4Matrix {
     }
 }
 
-/// n rows as chunks of at most ROWS, as even as can be: 9 rows go as 5 and 4, not 8 and 1 (a
-/// chunk of 1-2 rows takes `dot`, whose unpacking costs 4-8 times more a multiply).
-fn chunks(n: usize) -> impl Iterator<Item = usize> {
-    let parts = n.div_ceil(ROWS).max(1);
+/// n rows as chunks of at most `most`, as even as can be: 9 rows in chunks of 8 go as 5 and 4,
+/// not 8 and 1 (a chunk of 1-2 rows takes AVX2's `dot`, whose unpacking costs 4-8 times more a
+/// multiply).
+fn chunks(n: usize, most: usize) -> impl Iterator<Item = usize> {
+    let parts = n.div_ceil(most).max(1);
     (0..parts).map(move |i| n / parts + usize::from(i < n % parts))
 }
 
@@ -388,113 +424,192 @@ mod x86 {
         _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
     }
 
-    /// Per group and pair of runs: the 64 packed bytes become 4 ymm of u8 values (two runs ×
-    /// two halves of 8 rows); each feeds one vpmaddubsw per row against the run's 4 activations
-    /// broadcast. The i16 pair sums add up across the group's 4 pairs and widen once per group.
-    #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn dot<const R: usize>(blk: &Block<'_>, rows: &Rows<'_>, acc: &mut [f32]) {
-        let Rows { xs, sx, xsum } = *rows;
-        let groups = blk.width / GROUP;
-        let nibble = _mm256_set1_epi8(15);
-        let ones = _mm256_set1_epi16(1);
-        let wp = blk.w.as_ptr();
-        let xp = xs.as_ptr();
-        let mut total = [[_mm256_setzero_ps(); 2]; R];
-        for g in 0..groups {
-            let mut sums = [[_mm256_setzero_si256(); 2]; R];
-            for pair in g * 4..(g + 1) * 4 {
-                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast()); // as int8's
-                let lo = _mm256_loadu_si256(wp.add(pair * 64).cast());
-                let hi = _mm256_loadu_si256(wp.add(pair * 64 + 32).cast());
-                // [run][half]
-                let w = [
-                    [_mm256_and_si256(lo, nibble), _mm256_and_si256(hi, nibble)],
-                    [
-                        _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble),
-                        _mm256_and_si256(_mm256_srli_epi16(hi, 4), nibble),
-                    ],
-                ];
-                for (i, si) in sums.iter_mut().enumerate() {
-                    for (run, wr) in w.iter().enumerate() {
-                        let at = i * blk.width + (2 * pair + run) * 4;
-                        let xv = _mm256_set1_epi32(xp.add(at).cast::<i32>().read_unaligned());
-                        for (sih, wh) in si.iter_mut().zip(wr) {
-                            *sih = _mm256_add_epi16(*sih, _mm256_maddubs_epi16(*wh, xv));
+    /// The AVX2-width kernels, 8 output rows a ymm: `$one(sum, w, x)` adds a run's products of
+    /// u8 values w and s8 activations x to a group's sum, `$two` two runs', and `$widen` makes
+    /// the sum i32 lanes. AVX2 sums in i16 by vpmaddubsw (8 · 2 · 15 · 127 < 2^15) and widens
+    /// once a group by vpmaddwd; AVX-VNNI's vpdpbusd sums in i32. The same integers, so the
+    /// same bits.
+    macro_rules! ymm_kernels {
+        ($dot:ident, $dot_half:ident, $features:literal, $one:expr, $two:expr, $widen:expr) => {
+            /// Per group and pair of runs: the 64 packed bytes become 4 ymm of u8 values (two runs ×
+            /// two halves of 8 rows); each feeds one vpmaddubsw per row against the run's 4 activations
+            /// broadcast. The i16 pair sums add up across the group's 4 pairs and widen once per group.
+            #[target_feature(enable = $features)]
+            pub unsafe fn $dot<const R: usize>(blk: &Block<'_>, rows: &Rows<'_>, acc: &mut [f32]) {
+                let Rows { xs, sx, xsum } = *rows;
+                let groups = blk.width / GROUP;
+                let nibble = _mm256_set1_epi8(15);
+                let wp = blk.w.as_ptr();
+                let xp = xs.as_ptr();
+                let mut total = [[_mm256_setzero_ps(); 2]; R];
+                for g in 0..groups {
+                    let mut sums = [[_mm256_setzero_si256(); 2]; R];
+                    for pair in g * 4..(g + 1) * 4 {
+                        _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast()); // as int8's
+                        let lo = _mm256_loadu_si256(wp.add(pair * 64).cast());
+                        let hi = _mm256_loadu_si256(wp.add(pair * 64 + 32).cast());
+                        // [run][half]
+                        let w = [
+                            [_mm256_and_si256(lo, nibble), _mm256_and_si256(hi, nibble)],
+                            [
+                                _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble),
+                                _mm256_and_si256(_mm256_srli_epi16(hi, 4), nibble),
+                            ],
+                        ];
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            for (run, wr) in w.iter().enumerate() {
+                                let at = i * blk.width + (2 * pair + run) * 4;
+                                let xv =
+                                    _mm256_set1_epi32(xp.add(at).cast::<i32>().read_unaligned());
+                                for (sih, wh) in si.iter_mut().zip(wr) {
+                                    *sih = $one(*sih, *wh, xv);
+                                }
+                            }
+                        }
+                    }
+                    let (d, m) = (blk.d.as_ptr().add(g * BLOCK), blk.m.as_ptr().add(g * BLOCK));
+                    let d = [eight(d), eight(d.add(8))];
+                    let m = [eight(m), eight(m.add(8))];
+                    for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                        let s = _mm256_set1_ps(sx[i * groups + g]);
+                        let xs = _mm256_set1_ps(xsum[i * groups + g]);
+                        for h in 0..2 {
+                            let exact = _mm256_cvtepi32_ps($widen(si[h]));
+                            let t =
+                                _mm256_add_ps(ti[h], _mm256_mul_ps(exact, _mm256_mul_ps(d[h], s)));
+                            ti[h] = _mm256_add_ps(t, _mm256_mul_ps(m[h], xs));
                         }
                     }
                 }
-            }
-            let (d, m) = (blk.d.as_ptr().add(g * BLOCK), blk.m.as_ptr().add(g * BLOCK));
-            let d = [eight(d), eight(d.add(8))];
-            let m = [eight(m), eight(m.add(8))];
-            for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                let s = _mm256_set1_ps(sx[i * groups + g]);
-                let xs = _mm256_set1_ps(xsum[i * groups + g]);
-                for h in 0..2 {
-                    let exact = _mm256_cvtepi32_ps(_mm256_madd_epi16(si[h], ones));
-                    let t = _mm256_add_ps(ti[h], _mm256_mul_ps(exact, _mm256_mul_ps(d[h], s)));
-                    ti[h] = _mm256_add_ps(t, _mm256_mul_ps(m[h], xs));
+                for (i, ti) in total.iter().enumerate() {
+                    _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK), ti[0]);
+                    _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK + 8), ti[1]);
                 }
+            }
+
+            /// One half of a block (8 output rows) for R = 3..=8 input rows: each pair's 32 bytes are
+            /// unpacked once for all R rows, so at 8 rows the unpacking costs a quarter of `dot::<2>`'s
+            /// per multiply. A block is read twice (once per half), the second time from L1; for 1-2 rows,
+            /// whose passes read the weights from memory, `dot` reads them once.
+            #[target_feature(enable = $features)]
+            pub unsafe fn $dot_half<const R: usize>(
+                blk: &Block<'_>,
+                half: usize,
+                rows: &Rows<'_>,
+                acc: &mut [f32],
+            ) {
+                let Rows { xs, sx, xsum } = *rows;
+                let groups = blk.width / GROUP;
+                let nibble = _mm256_set1_epi8(15);
+                let wp = blk.w.as_ptr().add(32 * half);
+                let xp = xs.as_ptr();
+                // The running totals live in `acc` (L1), not registers: R sums, two weight vectors and
+                // the constants already fill AVX2's 16.
+                let base = acc.as_mut_ptr();
+                let total = |i: usize| base.add(i * BLOCK + 8 * half);
+                for i in 0..R {
+                    _mm256_storeu_ps(total(i), _mm256_setzero_ps());
+                }
+                for g in 0..groups {
+                    let mut sums = [_mm256_setzero_si256(); R];
+                    for pair in g * 4..(g + 1) * 4 {
+                        _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast());
+                        let v = _mm256_loadu_si256(wp.add(pair * 64).cast());
+                        let w0 = _mm256_and_si256(v, nibble);
+                        let w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            let at = i * blk.width + pair * 8;
+                            let x0 = _mm256_set1_epi32(xp.add(at).cast::<i32>().read_unaligned());
+                            let x1 =
+                                _mm256_set1_epi32(xp.add(at + 4).cast::<i32>().read_unaligned());
+                            *si = $two(*si, w0, x0, w1, x1);
+                        }
+                    }
+                    let d = eight(blk.d.as_ptr().add(g * BLOCK + 8 * half));
+                    let m = eight(blk.m.as_ptr().add(g * BLOCK + 8 * half));
+                    for (i, si) in sums.iter().enumerate() {
+                        let s = _mm256_set1_ps(*sx.get_unchecked(i * groups + g));
+                        let xs = _mm256_set1_ps(*xsum.get_unchecked(i * groups + g));
+                        let exact = _mm256_cvtepi32_ps($widen(*si));
+                        let t = _mm256_loadu_ps(total(i));
+                        let t = _mm256_add_ps(t, _mm256_mul_ps(exact, _mm256_mul_ps(d, s)));
+                        _mm256_storeu_ps(total(i), _mm256_add_ps(t, _mm256_mul_ps(m, xs)));
+                    }
+                }
+            }
+        };
+    }
+
+    ymm_kernels!(
+        dot,
+        dot_half,
+        "avx2,f16c",
+        |s, w, x| _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x)),
+        |s, w0, x0, w1, x1| _mm256_add_epi16(
+            s,
+            _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1))
+        ),
+        |s| _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+    );
+    ymm_kernels!(
+        dot_avxvnni,
+        dot_half_avxvnni,
+        "avx2,avxvnni,f16c",
+        |s, w, x| _mm256_dpbusd_avx_epi32(s, w, x),
+        |s, w0, x0, w1, x1| _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s, w0, x0), w1, x1),
+        |s| s
+    );
+
+    /// AVX-512 VNNI: a pair's 64 bytes become two zmm of u8 values (one run each, all 16 rows),
+    /// and each meets a row's 4 activations, broadcast, in one vpdpbusd straight into i32: a
+    /// whole block a multiply and nothing to widen. Up to 4 rows, each run has its own sum, so
+    /// that one row's vpdpbusd chain is not the pass's latency.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn dot_vnni<const R: usize>(blk: &Block<'_>, rows: &Rows<'_>, acc: &mut [f32]) {
+        let Rows { xs, sx, xsum } = *rows;
+        let groups = blk.width / GROUP;
+        let split = R <= 4;
+        let nibble = _mm512_set1_epi8(15);
+        let wp = blk.w.as_ptr();
+        let xp = xs.as_ptr();
+        let mut total = [_mm512_setzero_ps(); R];
+        for g in 0..groups {
+            let mut sums = [[_mm512_setzero_si512(); 2]; R];
+            for pair in g * 4..(g + 1) * 4 {
+                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast());
+                let v = _mm512_loadu_si512(wp.add(pair * 64).cast());
+                let w0 = _mm512_and_si512(v, nibble);
+                let w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                for (i, si) in sums.iter_mut().enumerate() {
+                    let at = i * blk.width + pair * 8;
+                    let x0 = _mm512_set1_epi32(xp.add(at).cast::<i32>().read_unaligned());
+                    let x1 = _mm512_set1_epi32(xp.add(at + 4).cast::<i32>().read_unaligned());
+                    let first = _mm512_dpbusd_epi32(si[0], w0, x0);
+                    if split {
+                        si[0] = first;
+                        si[1] = _mm512_dpbusd_epi32(si[1], w1, x1);
+                    } else {
+                        si[0] = _mm512_dpbusd_epi32(first, w1, x1);
+                    }
+                }
+            }
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().add(g * BLOCK).cast()));
+            let m = _mm512_cvtph_ps(_mm256_loadu_si256(blk.m.as_ptr().add(g * BLOCK).cast()));
+            for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                let s = _mm512_set1_ps(*sx.get_unchecked(i * groups + g));
+                let xs = _mm512_set1_ps(*xsum.get_unchecked(i * groups + g));
+                let sum = if split {
+                    _mm512_add_epi32(si[0], si[1])
+                } else {
+                    si[0]
+                };
+                let exact = _mm512_cvtepi32_ps(sum);
+                let t = _mm512_add_ps(*ti, _mm512_mul_ps(exact, _mm512_mul_ps(d, s)));
+                *ti = _mm512_add_ps(t, _mm512_mul_ps(m, xs));
             }
         }
         for (i, ti) in total.iter().enumerate() {
-            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK), ti[0]);
-            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK + 8), ti[1]);
-        }
-    }
-
-    /// One half of a block (8 output rows) for R = 3..=8 input rows: each pair's 32 bytes are
-    /// unpacked once for all R rows, so at 8 rows the unpacking costs a quarter of `dot::<2>`'s
-    /// per multiply. A block is read twice (once per half), the second time from L1; for 1-2 rows,
-    /// whose passes read the weights from memory, `dot` reads them once.
-    #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn dot_half<const R: usize>(
-        blk: &Block<'_>,
-        half: usize,
-        rows: &Rows<'_>,
-        acc: &mut [f32],
-    ) {
-        let Rows { xs, sx, xsum } = *rows;
-        let groups = blk.width / GROUP;
-        let nibble = _mm256_set1_epi8(15);
-        let ones = _mm256_set1_epi16(1);
-        let wp = blk.w.as_ptr().add(32 * half);
-        let xp = xs.as_ptr();
-        // The running totals live in `acc` (L1), not registers: R sums, two weight vectors and
-        // the constants already fill AVX2's 16.
-        let base = acc.as_mut_ptr();
-        let total = |i: usize| base.add(i * BLOCK + 8 * half);
-        for i in 0..R {
-            _mm256_storeu_ps(total(i), _mm256_setzero_ps());
-        }
-        for g in 0..groups {
-            let mut sums = [_mm256_setzero_si256(); R];
-            for pair in g * 4..(g + 1) * 4 {
-                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast());
-                let v = _mm256_loadu_si256(wp.add(pair * 64).cast());
-                let w0 = _mm256_and_si256(v, nibble);
-                let w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-                for (i, si) in sums.iter_mut().enumerate() {
-                    let at = i * blk.width + pair * 8;
-                    let x0 = _mm256_set1_epi32(xp.add(at).cast::<i32>().read_unaligned());
-                    let x1 = _mm256_set1_epi32(xp.add(at + 4).cast::<i32>().read_unaligned());
-                    let p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(w0, x0),
-                        _mm256_maddubs_epi16(w1, x1),
-                    );
-                    *si = _mm256_add_epi16(*si, p);
-                }
-            }
-            let d = eight(blk.d.as_ptr().add(g * BLOCK + 8 * half));
-            let m = eight(blk.m.as_ptr().add(g * BLOCK + 8 * half));
-            for (i, si) in sums.iter().enumerate() {
-                let s = _mm256_set1_ps(*sx.get_unchecked(i * groups + g));
-                let xs = _mm256_set1_ps(*xsum.get_unchecked(i * groups + g));
-                let exact = _mm256_cvtepi32_ps(_mm256_madd_epi16(*si, ones));
-                let t = _mm256_loadu_ps(total(i));
-                let t = _mm256_add_ps(t, _mm256_mul_ps(exact, _mm256_mul_ps(d, s)));
-                _mm256_storeu_ps(total(i), _mm256_add_ps(t, _mm256_mul_ps(m, xs)));
-            }
+            _mm512_storeu_ps(acc.as_mut_ptr().add(i * BLOCK), *ti);
         }
     }
 }
