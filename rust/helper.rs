@@ -14,7 +14,7 @@
 
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
@@ -109,19 +109,46 @@ fn serve(h: &Helper) {
     }
 }
 
-/// Runs `f(0)`, ..., `f(units - 1)` on this thread and the helper, each taking the next unit
-/// as it finishes one, and returns when all are done. A split into fixed halves waits for the
-/// slower half; on a shared machine either thread can be the slow one.
+/// Runs `f(0)`, ..., `f(units - 1)` on this thread and the helper, and returns when all are
+/// done. This thread takes units from the front and the helper from the back, each the next one
+/// as it finishes one, until they meet: a split into fixed halves waits for the slower half (on
+/// a shared machine either thread can be the slow one), and taking units in turn would give
+/// each thread every other unit, where neighbours share data (attention's units of one kv head
+/// read its keys and values) that one core's caches then hold for the next.
 pub fn for_each(units: usize, f: impl Fn(usize) + Sync) {
-    let next = AtomicUsize::new(0);
-    let work = || loop {
-        let i = next.fetch_add(1, Ordering::Relaxed);
-        if i >= units {
-            break;
+    assert!(u32::try_from(units).is_ok(), "at most 2^32 - 1 units");
+    // The next front unit in the low half, one past the next back unit in the high half.
+    let ends = AtomicU64::new((units as u64) << 32);
+    let take = |front: bool| -> Option<usize> {
+        let mut now = ends.load(Ordering::Relaxed);
+        loop {
+            let (lo, hi) = (now & 0xffff_ffff, now >> 32);
+            if lo >= hi {
+                return None;
+            }
+            let (next, unit) = if front {
+                (now + 1, lo)
+            } else {
+                (now - (1 << 32), hi - 1)
+            };
+            match ends.compare_exchange_weak(now, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return Some(unit as usize),
+                Err(seen) => now = seen,
+            }
         }
-        f(i);
     };
-    join(work, work);
+    join(
+        || {
+            while let Some(i) = take(true) {
+                f(i);
+            }
+        },
+        || {
+            while let Some(i) = take(false) {
+                f(i);
+            }
+        },
+    );
 }
 
 /// Runs `a` on this thread and `b` on the helper at once, and returns when both are done.
@@ -178,6 +205,7 @@ pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicUsize;
 
     #[test]
     fn both_halves_run_every_time() {
