@@ -120,7 +120,7 @@ pub fn attend_with(
         run(0, out);
         return Ok(());
     }
-    // This thread and the helper (helper.rs) take pieces of the (head, row) items in turn.
+    // This thread and the helper (helper.rs) take pieces of the (head, row) items, from both ends.
     // Each item writes its own hd values, so the split cannot change them. A piece lies within
     // one kv head, so that its items share the head's keys and values (`bundle`).
     let per_kv = n_items / d.kv_heads;
@@ -140,8 +140,8 @@ pub fn attend_with(
     Ok(())
 }
 
-/// Pieces of a pass's items the two threads take in turn: enough that neither waits long for
-/// the other.
+/// Pieces of a pass's items the two threads take: enough that neither waits long for the
+/// other.
 const UNITS: usize = 4;
 
 #[derive(Clone, Copy)]

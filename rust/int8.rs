@@ -29,7 +29,7 @@ const PAIR: usize = 2;
 pub const MAX_COLS: usize = 1 << 20;
 /// Matrices smaller than this many weights run on one thread (a split costs more than it saves).
 pub(crate) const PARALLEL_MIN: usize = 1 << 15;
-/// Pieces a product is cut into for the two threads to take in turn (`helper::for_each`).
+/// Pieces a product is cut into for the two threads to take (`helper::for_each`).
 pub(crate) const UNITS: usize = 16;
 
 /// A weight matrix that multiplies float32 activation rows, each row computed on its own: the
