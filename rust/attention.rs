@@ -869,28 +869,14 @@ unsafe fn dots<V: Lanes>(q: &[f32], kh: &[f32], scale: f32, scores: &mut [f32]) 
     let mut j = 0;
     if hd.is_multiple_of(LANES) && V::WIDE {
         while j + 16 <= scores.len() {
-            let kp = kh.as_ptr().add(j * hd);
-            let mut acc = [V::zero(); 16];
-            for c in (0..hd).step_by(LANES) {
-                let qc = V::load(q.as_ptr().add(c));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = V::fma(qc, V::load(kp.add(i * hd + c)), *a);
-                }
-            }
+            let acc = key_lanes::<V, 16>(q, kh.as_ptr().add(j * hd));
             V::sums_scaled(&acc, scale, scores.as_mut_ptr().add(j));
             j += 16;
         }
     }
     if hd.is_multiple_of(LANES) {
         while j + 4 <= scores.len() {
-            let kp = kh.as_ptr().add(j * hd);
-            let mut acc = [V::zero(); 4];
-            for c in (0..hd).step_by(LANES) {
-                let qc = V::load(q.as_ptr().add(c));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = V::fma(qc, V::load(kp.add(i * hd + c)), *a);
-                }
-            }
+            let acc = key_lanes::<V, 4>(q, kh.as_ptr().add(j * hd));
             for (i, a) in acc.iter().enumerate() {
                 scores[j + i] = a.sum() * scale;
             }
@@ -901,6 +887,20 @@ unsafe fn dots<V: Lanes>(q: &[f32], kh: &[f32], scale: f32, scores: &mut [f32]) 
         scores[j] = dot::<V>(q, &kh[j * hd..(j + 1) * hd]) * scale;
         j += 1;
     }
+}
+
+/// `dot`'s lanes for the K keys at `kp` (a head of whole lanes), before their trees.
+#[inline(always)]
+unsafe fn key_lanes<V: Lanes, const K: usize>(q: &[f32], kp: *const f32) -> [V; K] {
+    let hd = q.len();
+    let mut acc = [V::zero(); K];
+    for c in (0..hd).step_by(LANES) {
+        let qc = V::load(q.as_ptr().add(c));
+        for (i, a) in acc.iter_mut().enumerate() {
+            *a = V::fma(qc, V::load(kp.add(i * hd + c)), *a);
+        }
+    }
+    acc
 }
 
 /// padded[..keys] (scores) -> e^(s - max) in place, the rest -> 0; their sum. None if a score

@@ -431,9 +431,10 @@ mod x86 {
     /// same bits.
     macro_rules! ymm_kernels {
         ($dot:ident, $dot_half:ident, $features:literal, $one:expr, $two:expr, $widen:expr) => {
-            /// Per group and pair of runs: the 64 packed bytes become 4 ymm of u8 values (two runs ×
-            /// two halves of 8 rows); each feeds one vpmaddubsw per row against the run's 4 activations
-            /// broadcast. The i16 pair sums add up across the group's 4 pairs and widen once per group.
+            /// Per group and pair of runs: the 64 packed bytes become 4 ymm of u8 values (two
+            /// runs × two halves of 8 rows); each feeds one product per row against the run's 4
+            /// activations broadcast. The sums add up across the group's 4 pairs and widen once
+            /// per group.
             #[target_feature(enable = $features)]
             pub unsafe fn $dot<const R: usize>(blk: &Block<'_>, rows: &Rows<'_>, acc: &mut [f32]) {
                 let Rows { xs, sx, xsum } = *rows;
@@ -445,7 +446,8 @@ mod x86 {
                 for g in 0..groups {
                     let mut sums = [[_mm256_setzero_si256(); 2]; R];
                     for pair in g * 4..(g + 1) * 4 {
-                        _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast()); // as int8's
+                        // As int8's.
+                        _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast());
                         let lo = _mm256_loadu_si256(wp.add(pair * 64).cast());
                         let hi = _mm256_loadu_si256(wp.add(pair * 64 + 32).cast());
                         // [run][half]
@@ -487,10 +489,11 @@ mod x86 {
                 }
             }
 
-            /// One half of a block (8 output rows) for R = 3..=8 input rows: each pair's 32 bytes are
-            /// unpacked once for all R rows, so at 8 rows the unpacking costs a quarter of `dot::<2>`'s
-            /// per multiply. A block is read twice (once per half), the second time from L1; for 1-2 rows,
-            /// whose passes read the weights from memory, `dot` reads them once.
+            /// One half of a block (8 output rows) for R = 3..=8 input rows: each pair's 32 bytes
+            /// are unpacked once for all R rows, so at 8 rows the unpacking costs a quarter of
+            /// `dot::<2>`'s per multiply. A block is read twice (once per half), the second time
+            /// from L1; for 1-2 rows, whose passes read the weights from memory, `dot` reads them
+            /// once.
             #[target_feature(enable = $features)]
             pub unsafe fn $dot_half<const R: usize>(
                 blk: &Block<'_>,
@@ -503,8 +506,8 @@ mod x86 {
                 let nibble = _mm256_set1_epi8(15);
                 let wp = blk.w.as_ptr().add(32 * half);
                 let xp = xs.as_ptr();
-                // The running totals live in `acc` (L1), not registers: R sums, two weight vectors and
-                // the constants already fill AVX2's 16.
+                // The running totals live in `acc` (L1), not registers: R sums, two weight
+                // vectors and the constants already fill AVX2's 16.
                 let base = acc.as_mut_ptr();
                 let total = |i: usize| base.add(i * BLOCK + 8 * half);
                 for i in 0..R {
