@@ -867,14 +867,12 @@ unsafe fn dot<V: Lanes>(q: &[f32], kj: &[f32]) -> f32 {
 unsafe fn dots<V: Lanes>(q: &[f32], kh: &[f32], scale: f32, scores: &mut [f32]) {
     let hd = q.len();
     let mut j = 0;
-    if hd.is_multiple_of(LANES) && V::WIDE {
-        while j + 16 <= scores.len() {
+    if hd.is_multiple_of(LANES) {
+        while V::WIDE && j + 16 <= scores.len() {
             let acc = key_lanes::<V, 16>(q, kh.as_ptr().add(j * hd));
             V::sums_scaled(&acc, scale, scores.as_mut_ptr().add(j));
             j += 16;
         }
-    }
-    if hd.is_multiple_of(LANES) {
         while j + 4 <= scores.len() {
             let acc = key_lanes::<V, 4>(q, kh.as_ptr().add(j * hd));
             for (i, a) in acc.iter().enumerate() {

@@ -181,11 +181,7 @@ impl Q4Matrix {
         let sums = group_sums(&acts);
         let blocks = self.rows.div_ceil(BLOCK);
         let out_ptr = SendPtr(out.as_mut_ptr());
-        let most = if kernel == Kernel::Avx512Vnni && has_f16c() {
-            VNNI_ROWS
-        } else {
-            ROWS
-        };
+        let most = rows_per_call(kernel);
         let run = |range: std::ops::Range<usize>| {
             let mut acc = [0.0f32; VNNI_ROWS * BLOCK];
             for b in range {
@@ -264,8 +260,9 @@ impl Q4Matrix {
         match kernel {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: a kernel other than Scalar passed `supported()`, so the CPU has AVX2 (every
-            // such kernel's CPU has it); F16C is checked here. Slice lengths are as read.
-            Kernel::Avx512Vnni if has_f16c() => unsafe {
+            // such kernel's CPU has it); F16C is checked here (by `rows_per_call` for VNNI).
+            // Slice lengths are as read.
+            Kernel::Avx512Vnni if rows_per_call(kernel) == VNNI_ROWS => unsafe {
                 match m {
                     1 => x86::dot_vnni::<1>(&block, &rows, acc),
                     2 => x86::dot_vnni::<2>(&block, &rows, acc),
@@ -329,6 +326,17 @@ impl Product for Q4Matrix {
 fn chunks(n: usize, most: usize) -> impl Iterator<Item = usize> {
     let parts = n.div_ceil(most).max(1);
     (0..parts).map(move |i| n / parts + usize::from(i < n % parts))
+}
+
+/// The most rows `dot_block` takes at once with `kernel`: VNNI_ROWS where the AVX-512 VNNI
+/// kernel runs (it needs F16C too), ROWS otherwise.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+fn rows_per_call(kernel: Kernel) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512Vnni && has_f16c() {
+        return VNNI_ROWS;
+    }
+    ROWS
 }
 
 fn check_shape(rows: usize, cols: usize, len: usize) -> Result<(), Error> {
