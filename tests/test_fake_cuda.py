@@ -22,7 +22,12 @@ import weakref
 import pytest
 import torch
 import torch._subclasses.fake_tensor as fake_tensor
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorDeviceMismatchError, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+try:  # torch >= 2.12; before it, fake tensors raise a plain RuntimeError on mixed devices
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+except ImportError:
+    FakeTensorDeviceMismatchError = RuntimeError
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specfast
