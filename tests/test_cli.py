@@ -209,6 +209,30 @@ def test_run_interleaved_and_summary():
     assert summary["open"]["hf-plain"]["compared"] is None
 
 
+def test_each_run_is_handed_on_as_measured_and_kept_when_a_later_run_fails():
+    clock = [0.0]
+    calls = [0]
+
+    def failing(ids):
+        calls[0] += 1
+        if calls[0] == 3:  # the warm-up, one timed run, then a crash
+            raise RuntimeError("out of memory")
+        return fake_engine([1, 2], 0.01, clock)(ids)
+
+    engines = {"specfast-plain": fake_engine([1, 2], 0.01, clock), "hf-plain": failing}
+    prompts = [("open", f"open/p{i}", [5, 6]) for i in range(3)]
+    seen = []
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bench.run_interleaved(prompts, engines, 1, progress=False, on_run=seen.append)
+    assert [(r.prompt, r.engine) for r in seen] == [
+        ("open/p0", "specfast-plain"),
+        ("open/p0", "hf-plain"),
+        ("open/p1", "specfast-plain"),
+    ]
+    runs = bench.run_interleaved(prompts[:1], engines, 2, progress=False, on_run=seen.append)
+    assert seen[3:] == runs  # the same objects, in the same order
+
+
 def test_tables_json_and_plots(tmp_path):
     runs, summary = fake_results()
     text = bench.format_tables(summary)
@@ -355,6 +379,10 @@ def test_bench_takes_the_users_prompts(tiny_model_dir, tmp_path, capsys):
     assert "code (1 prompt)" in stdout and "chat (2 prompts)" in stdout
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert sorted(r["kind"] for r in runs) == ["chat", "chat", "code"]
+    streamed = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["token_ids"]) for r in streamed] == [
+        (r["prompt"], r["token_ids"]) for r in runs
+    ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": "x", "messages": []}\n')
     rc, _, err = run_main(["bench", "--model", str(tiny_model_dir), "--prompts", str(bad)], capsys)

@@ -132,11 +132,14 @@ def run_interleaved(
     progress: bool = True,
     sync: Callable[[], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    on_run: Callable[[Run], None] | None = None,
 ) -> list[Run]:
     """Run every engine on every (kind, name, ids) prompt, interleaved; return every timed run.
 
     One warm-up call per engine comes first (allocations, kernels, lazy imports). Within a prompt
-    the engine order rotates each repeat so no engine always runs right after another.
+    the engine order rotates each repeat so no engine always runs right after another. `on_run`
+    sees each run as it is measured (the CLI appends it to runs.jsonl, so a bench stopped midway
+    keeps what it measured).
     """
     from tqdm.auto import tqdm
 
@@ -167,21 +170,22 @@ def run_interleaved(
                     bar.set_postfix_str(f"{pname} {name}")
                     secs, out = timed(engines[name], ids)
                     ids_out = [int(t) for t in out.token_ids]
-                    runs.append(
-                        Run(
-                            engine=name,
-                            kind=kind,
-                            prompt=pname,
-                            repeat=r,
-                            seconds=secs,
-                            new_tokens=len(ids_out),
-                            target_passes=out.target_passes,
-                            mean_acceptance_length=out.mean_acceptance_length,
-                            acceptance_histogram=out.acceptance_histogram,
-                            token_ids=ids_out,
-                            prefill_seconds=out.prefill_seconds,
-                        )
+                    run = Run(
+                        engine=name,
+                        kind=kind,
+                        prompt=pname,
+                        repeat=r,
+                        seconds=secs,
+                        new_tokens=len(ids_out),
+                        target_passes=out.target_passes,
+                        mean_acceptance_length=out.mean_acceptance_length,
+                        acceptance_histogram=out.acceptance_histogram,
+                        token_ids=ids_out,
+                        prefill_seconds=out.prefill_seconds,
                     )
+                    runs.append(run)
+                    if on_run is not None:
+                        on_run(run)
                     bar.update()
     finally:
         bar.close()
@@ -706,7 +710,15 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     if args.device.startswith("cuda"):
         sync = torch.cuda.synchronize
 
-    runs = run_interleaved(prompts, engines, args.repeats, sync=sync)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "runs.jsonl", "w") as log:
+
+        def on_run(run: Run) -> None:
+            log.write(json.dumps(asdict(run)) + "\n")
+            log.flush()
+
+        runs = run_interleaved(prompts, engines, args.repeats, sync=sync, on_run=on_run)
     summary = summarize(runs)
 
     meta = machine_info(args.device) | {
@@ -747,7 +759,6 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     print(format_tables(main_summary))
     for name, c in costs.items():
         print(format_pass_costs(name, c))
-    out = Path(args.out)
     eos_ids: list[int] = []
     if sf_model is not None:
         eos_ids = list(getattr(sf_model, "eos_token_ids", None) or [])

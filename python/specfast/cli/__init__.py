@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run specfast and transformers side by side, interleaved in one process, "
         "on real workloads of each kind; print a table per kind and what one target pass "
         "over n tokens cost as auto k measured it, and write results.json, results.md and "
-        "speedup.png to --out. EOS is disabled so every engine generates "
-        "exactly --max-new-tokens tokens.",
+        "speedup.png to --out (and runs.jsonl, each run as it is measured). EOS is disabled so "
+        "every engine generates exactly --max-new-tokens tokens.",
     )
     b.set_defaults(subparser=b)
     b.add_argument("--model", metavar="PATH", help="GGUF file or HF folder (default: SmolLM2-135M)")
