@@ -7,8 +7,13 @@
 #
 # With the device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600);
 # its $OUT gets env.txt, tests.log, runtime.jsonl, runtime.log and summary.txt. Knobs: SHAPES,
-# NS, COMPILED_NS, STEPS ("eager compiled", one of them, or none), DTYPE, REPEATS, BUDGET (seconds),
-# BUILD_WHEEL, CUDA_TESTS (0: skip them), OUT; MODEL and PROMPTS for step 5.
+# NS, COMPILED_NS, STEPS ("eager compiled", one of them, or none), DTYPE, REPEATS, BUDGET
+# (seconds), BUILD_WHEEL, CUDA_TESTS (0: skip them), OUT; MODEL, PROMPTS, PROFILE_ARGS and
+# BENCH_ARGS for step 5. A model file larger than one call carries goes in parts: here
+# `split -n 3 -d M.gguf .dev/p` (.dev listed in .git/info/exclude); one call each with
+# carry=[".whl", ".dev/p0N"] and `mkdir -p /tmp/m; cp .dev/p0N /tmp/m/` while the machine stays
+# warm (30 s); the last one joins them (`cat /tmp/m/p0* >/tmp/m/model.gguf`) and runs
+# `MODEL=/tmp/m/model.gguf STEPS=none bash scripts/gpu_check.sh`.
 #
 # 1. installs the wheel into a fresh `pip install --no-index --no-deps --target` folder under
 #    /tmp and runs everything from it, with a Python that sees no maturin, no editable install,
@@ -19,7 +24,8 @@
 # 4. the compiled rows last: they pay cold compiles, and are the ones a short lease may not see;
 # 5. with MODEL (a GGUF on that machine; SmolLM2's is 98 MB, more than one call carries, so it
 #    travels in parts that each call copies to /tmp while the machine stays warm): the real
-#    model end to end, `specfast bench` with BENCH_ARGS, into $OUT/bench.
+#    model end to end: benches/profile_generate.py with PROFILE_ARGS (where a generate() call's
+#    time goes), then `specfast bench` with BENCH_ARGS into $OUT/bench (runs.jsonl as it goes).
 # Each bench row (model, step, n) is appended to $OUT/runtime.jsonl as it is measured; each
 # (model, step) runs in its own process under a timeout cut from one wall budget (BUDGET
 # seconds, inside 9 minutes), and a failure or timeout is recorded as a row. Inductor's and
@@ -160,7 +166,8 @@ if [ "${CUDA_TESTS:-1}" = 1 ]; then
     t=$((t < 150 ? t : 150))
     log "cuda-marked tests (timeout $t s): $TESTS"
     { timeout -k 5 "$((t > 1 ? t : 1))" "${PY[@]}" -m pytest -q -p no:cacheprovider -o addopts= \
-        -m cuda $TESTS 2>&1 | tee "$OUT/tests.log" | tail -n 3; } || { FAILED=1; log "tests failed"; }
+        -m cuda $TESTS 2>&1 | tee "$OUT/tests.log" | tail -n 3; } ||
+        { FAILED=1; log "tests failed"; }
     if [ "$DEVICE" = cpu ] && [ "${CPU_TESTS:-1}" = 1 ]; then  # CPU_TESTS=0: CI runs them itself
         FAKE=""
         for f in tests/test_fake_cuda.py tests/test_syncs.py; do
@@ -204,10 +211,17 @@ if [ -n "${MODEL:-}" ]; then
         -m cuda -k smollm tests/test_loading.py 2>&1 | tee -a "$OUT/tests.log" | tail -n 3; } ||
         { FAILED=1; log "tests failed"; }
     t=$(($(left) - RESERVE))
+    log "profile_generate on $MODEL (timeout $((t / 3)) s)"
+    { timeout -k 5 "$((t / 3))" "${FULL[@]}" benches/profile_generate.py --model "$MODEL" \
+        --device "$DEVICE" ${PROFILE_ARGS:---compile off --tokens 64} 2>&1 |
+        grep -v '^USDT\|^ERROR:.*DeviceProperties' | tee "$OUT/profile.log" | tail -n 60; } ||
+        { FAILED=1; log "profile failed"; }
+    t=$(($(left) - RESERVE))
     log "specfast bench on $MODEL (timeout $t s)"
     { timeout -k 5 "$t" "${FULL[@]}" -m specfast bench --model "$MODEL" --device "$DEVICE" \
         ${PROMPTS:+--prompts "$PROMPTS"} --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 |
-        tee "$OUT/bench.log" | grep -v 'run/s\|it/s\|^\s*$' | tail -n 40; } || { FAILED=1; log "bench failed"; }
+        tee "$OUT/bench.log" | grep -v 'run/s\|it/s\|^\s*$' | tail -n 40; } ||
+        { FAILED=1; log "bench failed"; }
 fi
 
 # -- summary: one line per row
