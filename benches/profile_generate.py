@@ -38,7 +38,9 @@ def main() -> None:
     )
     prompt = code_edit_workloads(1)[0].render(getattr(model, "chat_template", None))
     ids = list(model.tokenizer.encode(prompt).ids)
-    print(f"{model!r}\nprompt: {len(ids)} tokens, {args.tokens} new")
+    print(
+        "\n".join(repr(model).splitlines()[:2]), f"\nprompt: {len(ids)} tokens, {args.tokens} new"
+    )
     cuda = torch.device(args.device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
