@@ -22,6 +22,7 @@ import weakref
 import pytest
 import torch
 import torch._subclasses.fake_tensor as fake_tensor
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 try:  # torch >= 2.12; before it, fake tensors raise a plain RuntimeError on mixed devices
@@ -269,6 +270,31 @@ def test_rounds_run_on_cuda_with_no_cpu_tensor_in_a_step(static, drafter, temper
     assert len(fc.rounds) >= 3
     if drafter == "ngram":  # drafts of 0 after 0s: accepted, so passes of several tokens ran
         assert out.stats.accepted_tokens > 0
+
+
+def test_eager_cuda_passes_never_offer_cudnn_attention(monkeypatch):
+    """cuDNN's attention builds a graph for each new key length, which every eager decode step
+    has: eager CUDA passes leave it out; the compiled (fixed-shape) step may take it."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def watch(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", watch)
+    with FakeCuda():
+        model = cuda_model()
+        run(model, drafter="ngram")
+        run(model, drafter=None)
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # left as it was outside the passes
+
+    seen.clear()  # control: an SDPA call outside an eager pass sees cuDNN offered
+    with FakeCuda():
+        q = torch.zeros(1, 2, 3, 8, device=CUDA)
+        F.scaled_dot_product_attention(q, q, q)
+    assert seen == [True]
 
 
 def test_the_whole_model_is_on_cuda():

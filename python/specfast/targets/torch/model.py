@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specfast._core import Int8Layers
 from specfast.hardware import auto_dtype
@@ -248,6 +249,23 @@ def attention(q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
         q.view(Hkv, g, T, hd), k, v, attn_mask=mask, is_causal=causal
     )
     return y.reshape(H, T, hd)
+
+
+# SDPA's backends for an eager pass on CUDA: all but cuDNN's, which torch prefers on Hopper. cuDNN
+# builds an execution graph for each new shape, and an eager decode step's key length is new every
+# step. The compiled steps keep it: their shapes are fixed, one graph a bucket.
+EAGER_CUDA_SDPA = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+
+
+def eager_attention_backends(device: torch.device):
+    """The context an eager pass runs its layers in: on CUDA, SDPA limited to EAGER_CUDA_SDPA."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(EAGER_CUDA_SDPA))
 
 
 def trim_heap() -> None:
@@ -604,7 +622,8 @@ class Model(nn.Module):
             # mask).
             mask = torch.ones(T, L, dtype=torch.bool, device=ids.device).tril_(pos)  # (T, L)
 
-        x = self._layers(self.embed(ids), cos, sin, attend, packed, aux)
+        with eager_attention_backends(ids.device):
+            x = self._layers(self.embed(ids), cos, sin, attend, packed, aux)
         logits = self._head(x[-1:] if last_only else x, head, packed)
         return logits if aux is None else (logits, _features(aux, aux_layers))
 
