@@ -13,6 +13,8 @@
 //! One caller at a time: a second concurrent caller runs its whole job on its own thread.
 
 use std::cell::UnsafeCell;
+use std::marker::PhantomData;
+use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -151,6 +153,57 @@ pub fn for_each(units: usize, f: impl Fn(usize) + Sync) {
     );
 }
 
+/// Runs `f` over `0..n` cut into contiguous ranges of at least `min` rows, on this thread and
+/// the helper (`for_each`); fewer than `2 · min` rows run here as one range. For per-row work
+/// (norms, activation rounding, SiLU) between a pass's products, whose rows are independent:
+/// which thread takes a row cannot change it.
+pub fn for_row_ranges(n: usize, min: usize, f: impl Fn(Range<usize>) + Sync) {
+    let pieces = (n / min.max(1)).min(ROW_PIECES);
+    if pieces < 2 {
+        f(0..n);
+        return;
+    }
+    for_each(pieces, |u| f(u * n / pieces..(u + 1) * n / pieces));
+}
+
+/// Ranges `for_row_ranges` cuts at most: a few each, so neither thread waits long.
+const ROW_PIECES: usize = 8;
+
+/// A mutable slice that the ranges of `for_row_ranges` write into from both threads, each its
+/// own part.
+pub struct Shared<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _slice: PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: shared between threads only to hand out disjoint parts (`part`'s contract).
+unsafe impl<T: Send> Sync for Shared<'_, T> {}
+
+impl<'a, T> Shared<'a, T> {
+    pub fn new(slice: &'a mut [T]) -> Self {
+        Shared {
+            ptr: slice.as_mut_ptr(),
+            len: slice.len(),
+            _slice: PhantomData,
+        }
+    }
+
+    /// Values `range` of the slice.
+    ///
+    /// # Safety
+    /// No two parts in use at once may overlap.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn part(&self, range: Range<usize>) -> &mut [T] {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "part out of range"
+        );
+        // SAFETY: inside the slice (asserted); disjoint from other live parts (the contract).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
+    }
+}
+
 /// Runs `a` on this thread and `b` on the helper at once, and returns when both are done.
 /// Without a helper (one CPU, or another caller using it) both run here, `a` then `b`.
 pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
@@ -221,6 +274,31 @@ mod tests {
             );
         }
         assert_eq!(n.load(Ordering::Relaxed), 10_000 * 1_000_001);
+    }
+
+    #[test]
+    fn row_ranges_cover_every_row_once() {
+        for (n, min) in [
+            (0, 1),
+            (1, 0),
+            (7, 7),
+            (13, 7),
+            (14, 7),
+            (100, 3),
+            (1000, 1),
+        ] {
+            let seen: Vec<AtomicU8> = (0..n).map(|_| AtomicU8::new(0)).collect();
+            for_row_ranges(n, min, |rows| {
+                assert!(rows.len() >= min.min(n).max(1) || n == 0);
+                for r in rows {
+                    seen[r].fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(
+                seen.iter().all(|s| s.load(Ordering::Relaxed) == 1),
+                "{n} rows, {min}"
+            );
+        }
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! few rows at a time, from L1 after the first few.
 
 use crate::error::Error;
+use crate::helper::Shared;
 
 /// Output rows per packed block.
 const BLOCK: usize = 16;
@@ -364,36 +365,30 @@ impl Activations {
         let mut scales = vec![0.0f32; n * groups];
         let mut sums = vec![0i32; n * groups];
         let mut bad = vec![false; n];
-        #[cfg(target_arch = "x86_64")]
-        let avx2 = is_x86_feature_detected!("avx2");
-        for r in 0..n {
-            let row = &x[r * cols..(r + 1) * cols];
-            for g in 0..groups {
-                let (lo, hi) = (g * GROUP, ((g + 1) * GROUP).min(cols));
-                if lo >= hi {
-                    continue;
+        let (qs, ss, us, bs) = (
+            Shared::new(&mut q),
+            Shared::new(&mut scales),
+            Shared::new(&mut sums),
+            Shared::new(&mut bad),
+        );
+        crate::helper::for_row_ranges(n, ROW_VALUES / width, |rows| {
+            // SAFETY: the ranges of rows are disjoint, and so are their parts of each array.
+            let (q, scales, sums, bad) = unsafe {
+                (
+                    qs.part(rows.start * width..rows.end * width),
+                    ss.part(rows.start * groups..rows.end * groups),
+                    us.part(rows.start * groups..rows.end * groups),
+                    bs.part(rows.clone()),
+                )
+            };
+            let x = &x[rows.start * cols..rows.end * cols];
+            quantize_rows(x, cols, width, q, scales, sums, bad);
+            if unsigned {
+                for v in q {
+                    *v = (v.cast_unsigned() ^ 0x80).cast_signed();
                 }
-                let dst = &mut q[r * width + lo..r * width + hi];
-                let at = r * groups + g;
-                #[cfg(target_arch = "x86_64")]
-                if avx2 && hi - lo == GROUP {
-                    // SAFETY: the CPU has AVX2 (checked above); both slices hold GROUP values.
-                    let finite;
-                    (scales[at], sums[at], finite) =
-                        unsafe { x86::quantize_group(&row[lo..hi], dst) };
-                    bad[r] |= !finite;
-                    continue;
-                }
-                bad[r] |= row[lo..hi].iter().any(|v| !v.is_finite());
-                scales[at] = quantize(&row[lo..hi], dst);
-                sums[at] = dst.iter().map(|&v| i32::from(v)).sum();
             }
-        }
-        if unsigned {
-            for v in &mut q {
-                *v = (v.cast_unsigned() ^ 0x80).cast_signed();
-            }
-        }
+        });
         Activations {
             q,
             scales,
@@ -409,6 +404,47 @@ impl Activations {
             &self.q[r0 * self.width..(r0 + m) * self.width],
             &self.scales[r0 * groups..(r0 + m) * groups],
         )
+    }
+}
+
+/// Values of x a piece of per-row work takes at least, when a pass's rows are split between
+/// the two threads (`helper::for_row_ranges`): enough that the split costs less than it saves.
+pub(crate) const ROW_VALUES: usize = 4096;
+
+/// `Activations::quantize` for the rows of x (rows of `cols`), into their parts of q (rows of
+/// `width`), scales and sums (rows of width / GROUP) and bad.
+fn quantize_rows(
+    x: &[f32],
+    cols: usize,
+    width: usize,
+    q: &mut [i8],
+    scales: &mut [f32],
+    sums: &mut [i32],
+    bad: &mut [bool],
+) {
+    let groups = width / GROUP;
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = is_x86_feature_detected!("avx2");
+    for (r, row) in x.chunks_exact(cols).enumerate() {
+        for g in 0..groups {
+            let (lo, hi) = (g * GROUP, ((g + 1) * GROUP).min(cols));
+            if lo >= hi {
+                continue;
+            }
+            let dst = &mut q[r * width + lo..r * width + hi];
+            let at = r * groups + g;
+            #[cfg(target_arch = "x86_64")]
+            if avx2 && hi - lo == GROUP {
+                // SAFETY: the CPU has AVX2 (checked above); both slices hold GROUP values.
+                let finite;
+                (scales[at], sums[at], finite) = unsafe { x86::quantize_group(&row[lo..hi], dst) };
+                bad[r] |= !finite;
+                continue;
+            }
+            bad[r] |= row[lo..hi].iter().any(|v| !v.is_finite());
+            scales[at] = quantize(&row[lo..hi], dst);
+            sums[at] = dst.iter().map(|&v| i32::from(v)).sum();
+        }
     }
 }
 

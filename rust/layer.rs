@@ -8,7 +8,8 @@
 
 use crate::attention::{self, Dims};
 use crate::error::{Error, Result};
-use crate::int8::{Kernel, Product};
+use crate::helper::{self, Shared};
+use crate::int8::{Kernel, Product, ROW_VALUES};
 
 /// A Llama-family layer's weights (Llama, Qwen2, SmolLM2): pre-norm attention with grouped kv
 /// heads and rotate-half RoPE, then a pre-norm SiLU-gated MLP.
@@ -158,9 +159,17 @@ fn forward_with(
     let gate_up = fit(&mut sc.gate_up, rows * 2 * ff);
     w.gate_up.matmul(normed, gate_up, kernel)?;
     let act = fit(&mut sc.act, rows * ff);
-    for (a, gu) in act.chunks_exact_mut(ff).zip(gate_up.chunks_exact(2 * ff)) {
-        attention::silu_mul(&gu[..ff], &gu[ff..], a);
-    }
+    let shared = Shared::new(act);
+    let gate_up = &*gate_up;
+    helper::for_row_ranges(rows, ROW_VALUES / ff, |range| {
+        // SAFETY: the ranges of rows are disjoint, and so are their parts of `act`.
+        let act = unsafe { shared.part(range.start * ff..range.end * ff) };
+        let gu = &gate_up[range.start * 2 * ff..range.end * 2 * ff];
+        for (a, gu) in act.chunks_exact_mut(ff).zip(gu.chunks_exact(2 * ff)) {
+            attention::silu_mul(&gu[..ff], &gu[ff..], a);
+        }
+    });
+    let act = &sc.act[..rows * ff];
     let proj = fit(&mut sc.proj, rows * dim);
     w.down.matmul(act, proj, kernel)?;
     add_into(x, proj);
@@ -333,7 +342,18 @@ fn check(
 }
 
 /// out = x / rms(x) · weight per row, the mean square summed as `attention`'s dot product.
+/// Rows go in ranges to both threads when there are many (a prefill).
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = weight.len();
+    let shared = Shared::new(out);
+    helper::for_row_ranges(x.len() / dim, ROW_VALUES / dim, |rows| {
+        // SAFETY: the ranges of rows are disjoint, and so are their parts of `out`.
+        let out = unsafe { shared.part(rows.start * dim..rows.end * dim) };
+        rms_norm_rows(&x[rows.start * dim..rows.end * dim], weight, eps, out);
+    });
+}
+
+fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
     for (row, o) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
         let r = 1.0 / (attention::dot_product(row, row) / dim as f32 + eps).sqrt();
@@ -434,6 +454,16 @@ mod tests {
     }
 
     fn run(l: &Layer, x: &mut [f32], pos: usize, cache: &mut (Vec<f32>, Vec<f32>)) {
+        run_in(l, x, pos, cache, SHAPE.capacity);
+    }
+
+    fn run_in(
+        l: &Layer,
+        x: &mut [f32],
+        pos: usize,
+        cache: &mut (Vec<f32>, Vec<f32>),
+        capacity: usize,
+    ) {
         let rows = x.len() / DIM;
         let w = l.weights();
         let angle = |p: usize, i: usize| p as f32 / 10f32.powf((i % 6) as f32 / 6.0);
@@ -443,8 +473,33 @@ mod tests {
         let sin: Vec<f32> = (0..rows * 12)
             .map(|j| angle(pos + j / 12, j % 12).sin())
             .collect();
-        let s = Shape { pos, ..SHAPE };
+        let s = Shape {
+            capacity,
+            pos,
+            ..SHAPE
+        };
         forward(x, &w, &s, &cos, &sin, &mut cache.0, &mut cache.1).unwrap();
+    }
+
+    /// A pass long enough that its norms, activation rounding and SiLU go to both threads in
+    /// ranges of rows (`helper::for_row_ranges`) equals its rows one at a time, bit for bit.
+    #[test]
+    fn a_long_pass_split_between_threads_equals_its_rows() {
+        let (rows, capacity) = (250, 256);
+        assert!(rows >= 2 * (ROW_VALUES / 40), "the SiLU's rows must split");
+        let l = layer(true);
+        let n = 2 * capacity * 12;
+        let x = values(rows * DIM, 19, 2.0);
+        let mut whole = x.clone();
+        let mut cache = (vec![0.0; n], vec![0.0; n]);
+        run_in(&l, &mut whole, 0, &mut cache, capacity);
+        let mut one = (vec![0.0; n], vec![0.0; n]);
+        for t in 0..rows {
+            let mut r = x[t * DIM..(t + 1) * DIM].to_vec();
+            run_in(&l, &mut r, t, &mut one, capacity);
+            assert_eq!(r, whole[t * DIM..(t + 1) * DIM], "row {t}");
+        }
+        assert_eq!(cache, one);
     }
 
     /// A pass over T rows equals T one-row passes, bit for bit, cache included.
