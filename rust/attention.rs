@@ -126,15 +126,13 @@ pub fn attend_with(
     let per_kv = n_items / d.kv_heads;
     let per = per_kv.div_ceil(per_kv.div_ceil(n_items.div_ceil(UNITS)));
     let pieces = per_kv.div_ceil(per);
-    let out_ptr = OutPtr(out.as_mut_ptr());
+    let shared = crate::helper::Shared::new(out);
     crate::helper::for_each(d.kv_heads * pieces, |u| {
         let (kv, piece) = (u / pieces, u % pieces);
         let first = kv * per_kv + piece * per;
         let n = per.min(per_kv - piece * per);
-        // SAFETY: pieces cover disjoint item ranges of `out`, which holds every item.
-        let part = unsafe {
-            std::slice::from_raw_parts_mut(out_ptr.at(first * d.head_dim), n * d.head_dim)
-        };
+        // SAFETY: pieces cover disjoint item ranges of `out`.
+        let part = unsafe { shared.part(first * d.head_dim..(first + n) * d.head_dim) };
         run(first, part);
     });
     Ok(())
@@ -143,19 +141,6 @@ pub fn attend_with(
 /// Pieces of a pass's items the two threads take: enough that neither waits long for the
 /// other.
 const UNITS: usize = 4;
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: written only through disjoint ranges (see `attend_with`).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// (A method, so that closures capture the Sync wrapper, not its raw pointer field.)
-    fn at(self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
 
 fn check(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], d: &Dims) -> Result<()> {
     if d.kv_heads == 0 || !d.heads.is_multiple_of(d.kv_heads) {

@@ -169,8 +169,25 @@ pub fn for_row_ranges(n: usize, min: usize, f: impl Fn(Range<usize>) + Sync) {
 /// Ranges `for_row_ranges` cuts at most: a few each, so neither thread waits long.
 const ROW_PIECES: usize = 8;
 
-/// A mutable slice that the ranges of `for_row_ranges` write into from both threads, each its
-/// own part.
+/// `for_row_ranges` for work that writes its own rows of `out` (rows of `row_len` values):
+/// `f(rows, part)` gets those rows' part of `out`.
+pub fn for_row_parts<T: Send>(
+    out: &mut [T],
+    row_len: usize,
+    min: usize,
+    f: impl Fn(Range<usize>, &mut [T]) + Sync,
+) {
+    let n = out.len().checked_div(row_len).unwrap_or(0);
+    let shared = Shared::new(out);
+    for_row_ranges(n, min, |rows| {
+        // SAFETY: the ranges of rows are disjoint, and so are their parts.
+        let part = unsafe { shared.part(rows.start * row_len..rows.end * row_len) };
+        f(rows, part);
+    });
+}
+
+/// A mutable slice that the pieces of a job on both threads (`for_each`, `for_row_ranges`)
+/// write into, each its own part.
 pub struct Shared<'a, T> {
     ptr: *mut T,
     len: usize,

@@ -237,7 +237,7 @@ impl Int8Matrix {
         }
         let acts = Activations::quantize(x, n, self.cols, self.width, kernel == Kernel::Avx512Vnni);
         let blocks = self.rows.div_ceil(BLOCK);
-        let out_ptr = SendPtr(out.as_mut_ptr());
+        let out = Shared::new(out);
         let block_len = self.width * BLOCK;
         let run = |range: std::ops::Range<usize>| {
             let mut acc = vec![0.0f32; ROWS * PAIR * BLOCK];
@@ -248,7 +248,7 @@ impl Int8Matrix {
                 for r0 in (0..n).step_by(ROWS) {
                     let m = ROWS.min(n - r0);
                     dot_blocks(kernel, w, nb, &acts, r0, m, &mut acc);
-                    self.epilogue(b, nb, r0, m, &acc, &acts.bad, out_ptr);
+                    self.epilogue(b, nb, r0, m, &acc, &acts.bad, &out);
                 }
                 b += nb;
             }
@@ -275,7 +275,7 @@ impl Int8Matrix {
         m: usize,
         acc: &[f32],
         bad: &[bool],
-        out: SendPtr,
+        out: &Shared<'_, f32>,
     ) {
         let o0 = b * BLOCK;
         let width = (nb * BLOCK).min(self.rows - o0);
@@ -283,9 +283,9 @@ impl Int8Matrix {
         for i in 0..m {
             let r = r0 + i;
             // SAFETY: each call writes only columns [o0, o0 + width) of its rows, a range no
-            // other call writes, inside `out` (checked to be n x rows).
-            let row =
-                unsafe { std::slice::from_raw_parts_mut(out.0.add(r * self.rows + o0), width) };
+            // other call writes.
+            let at = r * self.rows + o0;
+            let row = unsafe { out.part(at..at + width) };
             if bad[r] {
                 row.fill(f32::NAN);
                 continue;
@@ -447,12 +447,6 @@ fn quantize_rows(
         }
     }
 }
-
-#[derive(Clone, Copy)]
-pub(crate) struct SendPtr(pub(crate) *mut f32);
-// SAFETY: the pointer is only written through disjoint ranges (see `epilogue`).
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
 
 /// acc[i * nb * 16 + j * 16 + lane] = Σ_g (Σ_{k in g} x[i][k] · w[j][lane][k]) · sx[i][g] for
 /// rows r0..r0+m (m ≤ 4) and the nb ≤ 2 blocks of `w`.

@@ -8,7 +8,7 @@
 
 use crate::attention::{self, Dims};
 use crate::error::{Error, Result};
-use crate::helper::{self, Shared};
+use crate::helper;
 use crate::int8::{Kernel, Product, ROW_VALUES};
 
 /// A Llama-family layer's weights (Llama, Qwen2, SmolLM2): pre-norm attention with grouped kv
@@ -159,17 +159,13 @@ fn forward_with(
     let gate_up = fit(&mut sc.gate_up, rows * 2 * ff);
     w.gate_up.matmul(normed, gate_up, kernel)?;
     let act = fit(&mut sc.act, rows * ff);
-    let shared = Shared::new(act);
     let gate_up = &*gate_up;
-    helper::for_row_ranges(rows, ROW_VALUES / ff, |range| {
-        // SAFETY: the ranges of rows are disjoint, and so are their parts of `act`.
-        let act = unsafe { shared.part(range.start * ff..range.end * ff) };
+    helper::for_row_parts(act, ff, ROW_VALUES / ff, |range, act| {
         let gu = &gate_up[range.start * 2 * ff..range.end * 2 * ff];
         for (a, gu) in act.chunks_exact_mut(ff).zip(gu.chunks_exact(2 * ff)) {
             attention::silu_mul(&gu[..ff], &gu[ff..], a);
         }
     });
-    let act = &sc.act[..rows * ff];
     let proj = fit(&mut sc.proj, rows * dim);
     w.down.matmul(act, proj, kernel)?;
     add_into(x, proj);
@@ -345,10 +341,7 @@ fn check(
 /// Rows go in ranges to both threads when there are many (a prefill).
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
-    let shared = Shared::new(out);
-    helper::for_row_ranges(x.len() / dim, ROW_VALUES / dim, |rows| {
-        // SAFETY: the ranges of rows are disjoint, and so are their parts of `out`.
-        let out = unsafe { shared.part(rows.start * dim..rows.end * dim) };
+    helper::for_row_parts(out, dim, ROW_VALUES / dim, |rows, out| {
         rms_norm_rows(&x[rows.start * dim..rows.end * dim], weight, eps, out);
     });
 }

@@ -25,9 +25,8 @@
 use half::f16;
 
 use crate::error::Error;
-use crate::int8::{
-    check_product, Activations, Kernel, Product, SendPtr, GROUP, PARALLEL_MIN, UNITS,
-};
+use crate::helper::Shared;
+use crate::int8::{check_product, Activations, Kernel, Product, GROUP, PARALLEL_MIN, UNITS};
 
 /// Output rows per packed block.
 const BLOCK: usize = 16;
@@ -180,7 +179,7 @@ impl Q4Matrix {
         let acts = Activations::quantize(x, n, self.cols, self.width, false);
         let sums = group_sums(&acts);
         let blocks = self.rows.div_ceil(BLOCK);
-        let out_ptr = SendPtr(out.as_mut_ptr());
+        let out = Shared::new(out);
         let most = rows_per_call(kernel);
         let run = |range: std::ops::Range<usize>| {
             let mut acc = [0.0f32; VNNI_ROWS * BLOCK];
@@ -188,7 +187,7 @@ impl Q4Matrix {
                 let mut r0 = 0;
                 for m in chunks(n, most) {
                     self.dot_block(kernel, b, &acts, &sums, r0, m, &mut acc);
-                    self.write(b, r0, m, &acc, &acts.bad, out_ptr);
+                    self.write(b, r0, m, &acc, &acts.bad, &out);
                     r0 += m;
                 }
             }
@@ -290,15 +289,23 @@ impl Q4Matrix {
 
     /// Writes block b's columns of rows r0..r0+m.
     #[allow(clippy::too_many_arguments)]
-    fn write(&self, b: usize, r0: usize, m: usize, acc: &[f32], bad: &[bool], out: SendPtr) {
+    fn write(
+        &self,
+        b: usize,
+        r0: usize,
+        m: usize,
+        acc: &[f32],
+        bad: &[bool],
+        out: &Shared<'_, f32>,
+    ) {
         let o0 = b * BLOCK;
         let width = BLOCK.min(self.rows - o0);
         for i in 0..m {
             let r = r0 + i;
             // SAFETY: each call writes only columns [o0, o0 + width) of its rows, a range no
-            // other call writes, inside `out` (checked to be n x rows).
-            let row =
-                unsafe { std::slice::from_raw_parts_mut(out.0.add(r * self.rows + o0), width) };
+            // other call writes.
+            let at = r * self.rows + o0;
+            let row = unsafe { out.part(at..at + width) };
             if bad[r] {
                 row.fill(f32::NAN);
             } else {
