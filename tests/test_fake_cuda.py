@@ -32,6 +32,7 @@ except ImportError:
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specfast
+from specfast.targets.torch import model as model_module
 from specfast.targets.torch.kv_cache import KVCache, static_cache
 from specfast.targets.torch.model import Model, ModelConfig
 
@@ -83,6 +84,10 @@ class _Watch(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                     o.fail(f"a tensor made on the CPU inside a step: aten.{func.__name__}")
         return out
+
+
+def written_lower_right(T: int, L: int) -> torch.Tensor:
+    return torch.ones(T, L, dtype=torch.bool, device="cuda").tril_(L - T)
 
 
 class FakeCuda:
@@ -194,6 +199,9 @@ class FakeCuda:
         self._patch(FakeTensor, "tolist", tolist)
         for cls, name in ((Model, "forward"), (Model, "forward_static"), (EagleHead, "forward")):
             self._patch(cls, name, self._step(cls.__dict__[name]))
+        # SDPA's causal bias is a host tensor subclass FakeTensorMode cannot run; the same mask
+        # written on the device stands in (test_model checks they are one mask).
+        self._patch(model_module, "causal_lower_right", written_lower_right)
         self._patch(generate_module, "speculate", self._round(generate_module.speculate))
         self._patch(generate_module, "_verify", self._verify(generate_module._verify))
         self.mode = FakeTensorMode()

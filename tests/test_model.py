@@ -4,7 +4,9 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_upper_left
 
 from specfast import Model, ModelConfig
 from specfast._core import Int8Matrix
@@ -285,22 +287,77 @@ def test_attention_is_fused_and_equals_written_out_attention(monkeypatch, sdpa_g
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("T, pos", [(2, 0), (9, 20), (16, 3)])
+def test_verify_mask_on_cuda_is_the_same_mask_unwritten(T, pos):
+    """On CUDA a verify pass's mask is SDPA's lower-right causal bias (flash takes it); it must
+    be the written mask the CPU uses: row i sees keys [0, pos + i]. Control: the upper-left
+    bias (SDPA's is_causal) hides keys the rows must see whenever pos > 0."""
+    written = model_module.verify_mask(T, pos, torch.device("cpu"))
+    assert written.shape == (T, pos + T)
+    assert written.sum().item() == T * pos + T * (T + 1) // 2
+    bias = model_module.verify_mask(T, pos, torch.device("cuda"))  # builds nothing on a device
+    assert torch.equal(bias._materialize(torch.device("cpu")), written)
+    upper = causal_upper_left(T, pos + T)._materialize(torch.device("cpu"))
+    assert torch.equal(upper, written) == (pos == 0)
+    g = torch.Generator().manual_seed(pos)
+    q, k, v = torch.randn(1, 4, T, 8, generator=g), *torch.randn(2, 1, 4, pos + T, 8, generator=g)
+    torch.testing.assert_close(
+        F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=written),
+    )
+
+
+ATTENTION_OPS = {
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_flash_attention_forward": "flash",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_efficient_attention_forward": "efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_attention_math": "math",
+}
+
+
+def attention_kernels(run) -> set[str]:
+    """Which of SDPA's kernels `run()` went through, from the profiler's operator names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return {ATTENTION_OPS[e.key] for e in prof.key_averages() if e.key in ATTENTION_OPS}
+
+
 @pytest.mark.cuda
 def test_cuda_passes_take_fused_attention():
-    """On CUDA every eager pass (causal prefill, masked verify, decode) and the static step
-    attend through a fused kernel: with the math path switched off, none raises."""
+    """On CUDA in bf16 every eager pass (causal prefill, masked verify, decode) attends through
+    flash, never SDPA's math path nor cuDNN (a graph built per key length); the static step
+    through a fused kernel. Profiled, since the passes set their own allowed kernels."""
     model = Model.from_config(ModelConfig(max_context=512), seed=0, device="cuda", dtype="bf16")
     ids = torch.arange(1, 41, device="cuda")
-    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-    with sdpa_kernel(fused), torch.inference_mode():
+    with torch.inference_mode():
         dec = model.decoder(64)
-        dec.forward(ids[:30])
-        dec.forward(ids[30:39])
-        dec.forward(ids[39:])
+        assert attention_kernels(lambda: dec.forward(ids[:30])) == {"flash"}  # prefill
+        assert attention_kernels(lambda: dec.forward(ids[30:39])) == {"flash"}  # verify
+        assert attention_kernels(lambda: dec.forward(ids[39:])) == {"flash"}  # decode
         c = model.config
         cos, sin = (t[:256] for t in model.rope(256))
         k = torch.zeros(c.n_layers, c.n_kv_heads, 256, c.head_dim, device="cuda", dtype=model.dtype)
-        model.forward_static(ids[:8], torch.arange(8, device="cuda"), k, k.clone(), cos, sin)
+        got = attention_kernels(
+            lambda: model.forward_static(
+                ids[:8], torch.arange(8, device="cuda"), k, k.clone(), cos, sin
+            )
+        )
+        assert got and "math" not in got
+        # control: a written mask on the same verify pass cannot take flash
+        q = torch.randn(1, c.n_heads, 9, c.head_dim, device="cuda", dtype=model.dtype)
+        kv = torch.randn(1, c.n_kv_heads, 39, c.head_dim, device="cuda", dtype=model.dtype)
+        written = model_module.verify_mask(9, 30, torch.device("cpu")).cuda()
+        with model_module.eager_attention_backends(q.device):
+            got = attention_kernels(
+                lambda: F.scaled_dot_product_attention(
+                    q, kv, kv, attn_mask=written, enable_gqa=True
+                )
+            )
+        assert got and "flash" not in got
 
 
 @pytest.mark.cuda

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from specfast._core import Int8Layers
 from specfast.hardware import auto_dtype
@@ -224,7 +225,8 @@ def attention(q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
 
     4-D, as SDPA's fused kernels need (flash, memory-efficient and cuDNN on CUDA, flash on CPU):
     given 3-D tensors it takes the math path, several kernels a layer around a float32 score
-    tensor of every query row against every key. `mask` (T, L) bool, True = may attend;
+    tensor of every query row against every key. `mask` (T, L) bool, True = may attend (or
+    verify_mask's causal bias on CUDA);
     `causal` instead when query i sees keys [0, i] (a prefill from position 0), which lets the
     fused kernels skip the blocks above the diagonal rather than compute and mask them.
     """
@@ -259,6 +261,17 @@ EAGER_CUDA_SDPA = (
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 )
+
+
+def verify_mask(T: int, pos: int, device: torch.device) -> torch.Tensor | CausalBias:
+    """Which of the keys [0, pos+T) each of T query rows at positions pos.. sees: row i sees
+    [0, pos+i]. A (T, pos+T) bool tensor; on CUDA SDPA's lower-right causal bias, the same mask
+    unwritten, which the flash kernel takes with grouped-query heads. A written mask there goes
+    to the math path (flash takes none, cuDNN is off in eager passes): several kernels a layer,
+    and a verify pass cost 2-3 plain steps on an H200."""
+    if device.type == "cuda":
+        return causal_lower_right(T, pos + T)
+    return torch.ones(T, pos + T, dtype=torch.bool, device=device).tril_(pos)
 
 
 def eager_attention_backends(device: torch.device):
@@ -618,9 +631,7 @@ class Model(nn.Module):
         elif T > 1 and pos == 0:
             causal = True  # keys [0, T): query i sees [0, i]
         elif T > 1:
-            # Query i sits at pos+i and sees keys [0, pos+i] (for T == 1 that is every key: no
-            # mask).
-            mask = torch.ones(T, L, dtype=torch.bool, device=ids.device).tril_(pos)  # (T, L)
+            mask = verify_mask(T, pos, ids.device)  # (for T == 1 every key: no mask)
 
         with eager_attention_backends(ids.device):
             x = self._layers(self.embed(ids), cos, sin, attend, packed, aux)
