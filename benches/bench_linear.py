@@ -2,8 +2,9 @@
 
 A pass streams every weight matrix of the model once, so each candidate is timed over a whole
 model's worth of distinct random matrices (time does not depend on the values), for 1-32 rows.
-Beside them: this machine's read bandwidth (a sum over filled memory) and its float32 FMA rate
-(a large sgemm), measured here, and the bounds they set on a pass.
+Beside them: this machine's read bandwidth (a sum over filled memory), its float32 FMA rate
+(a large sgemm) and its int8 multiply-add rate (fbgemm on many rows), measured here, and the
+bounds they set on a pass.
 
     python benches/bench_linear.py                          # SmolLM2-135M shapes
     python benches/bench_linear.py --shapes qwen2.5-1.5b --json linear.json
@@ -55,6 +56,22 @@ def fma_rate() -> float:
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(3))
     return 2048**3 / best
+
+
+def int8_mac_rate() -> float | None:
+    """int8 multiply-adds per second of fbgemm's dynamic int8 linear on 256 rows of a 2048^2
+    matrix (compute-bound; fbgemm is tuned for the CPU's int8 dot products, with one
+    activation scale per call and so no per-group float work). None without fbgemm."""
+    if not hasattr(torch.ops.quantized, "linear_dynamic"):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of quantized tensors
+        build, run = _fbgemm()
+        packed = build([torch.randn(2048, 2048) * 0.02])
+        x = [(2048, torch.randn(256, 2048))]
+        run(packed, x)
+        best = min(_timed(lambda: run(packed, x)) for _ in range(5))
+    return 256 * 2048**2 / best
 
 
 def _timed(fn) -> float:
@@ -158,6 +175,7 @@ def bench(shapes: str, rows=ROWS, repeats: int = 5, only: list[str] | None = Non
     native_bf16 = cpu_has_native_bf16()
     bw = read_bandwidth()
     fma = fma_rate()
+    int8_rate = int8_mac_rate()
     mats = model_matrices(shapes)
     n_weights = sum(o * i for o, i in mats)
     g = torch.Generator().manual_seed(0)
@@ -172,6 +190,7 @@ def bench(shapes: str, rows=ROWS, repeats: int = 5, only: list[str] | None = Non
         "int8_kernel": _core.int8_kernel(),
         "read_gb_s": bw,
         "fma_per_s": fma,
+        "int8_mac_per_s": int8_rate,
         "weights": n_weights,
         "rows": list(rows),
         "bound_ms": {},
@@ -180,6 +199,8 @@ def bench(shapes: str, rows=ROWS, repeats: int = 5, only: list[str] | None = Non
     for bytes_per, label in ((4, "float32"), (2, "bfloat16"), (1, "int8"), (Q4_BYTES, "q4")):
         result["bound_ms"][label] = n_weights * bytes_per / bw / 1e9 * 1e3
     result["fma_bound_ms"] = {str(n): n * n_weights / fma * 1e3 for n in rows}
+    if int8_rate:
+        result["int8_mac_bound_ms"] = {str(n): n * n_weights / int8_rate * 1e3 for n in rows}
     chosen = {
         name: c
         for name, c in candidates(native_bf16).items()
@@ -263,6 +284,12 @@ def main() -> None:
         f"q4 {r['bound_ms']['q4']:.1f}; FMA bound "
         + ", ".join(f"{n} rows {t:.1f}" for n, t in r["fma_bound_ms"].items())
     )
+    if r.get("int8_mac_bound_ms"):
+        print(
+            f"int8 multiply-adds {r['int8_mac_per_s'] / 1e9:.0f} G/s (fbgemm, 256 rows); int8 "
+            "compute bound "
+            + ", ".join(f"{n} rows {t:.1f}" for n, t in r["int8_mac_bound_ms"].items())
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)
