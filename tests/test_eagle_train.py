@@ -391,14 +391,17 @@ def test_trained_head_drafts_as_the_specfast_head_and_loads_back(captured, tmp_p
         assert torch.equal(v, want.to(v.dtype)), k
 
 
-def test_bf16_autocast_only_where_the_cpu_has_native_bf16(monkeypatch):
+def test_bf16_autocast_on_cuda_and_where_the_cpu_has_native_bf16(monkeypatch):
     # Emulated bf16 made a training step 24x slower than float32 on an AVX2-only CPU.
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(et, "cpu_has_native_bf16", lambda: False)
-    assert et.TrainConfig().bf16 is False
-    assert et.TrainConfig(bf16=True).bf16 is True
+    assert et.autocast_bf16(et.TrainConfig(), cpu) is False
+    assert et.autocast_bf16(et.TrainConfig(), cuda) is True
+    assert et.autocast_bf16(et.TrainConfig(bf16=True), cpu) is True
     monkeypatch.setattr(et, "cpu_has_native_bf16", lambda: True)
-    assert et.TrainConfig().bf16 is True
-    assert et.TrainConfig(bf16=False).bf16 is False
+    assert et.autocast_bf16(et.TrainConfig(), cpu) is True
+    assert et.autocast_bf16(et.TrainConfig(bf16=False), cpu) is False
+    assert et.autocast_bf16(et.TrainConfig(bf16=False), cuda) is False
 
 
 def test_bad_settings_are_refused(captured, tmp_path):
@@ -413,3 +416,34 @@ def test_bad_settings_are_refused(captured, tmp_path):
         et.train(target, tmp_path, tmp_path / "x", tiny_cfg(), aux)
     with pytest.raises(ValueError, match="draft vocabulary size"):
         et.train(target, folder, tmp_path / "y", tiny_cfg(draft_vocab_size=201), aux)
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.cuda
+def test_training_on_cuda_learns_and_resumes_on_the_cpu(tmp_path):
+    """Every stage on the target's device: batched answers equal plain greedy there, capture
+    writes host shards, the head trains on the GPU (bf16 autocast) and learns, and its
+    checkpoint goes on training on the CPU."""
+    from specfast import generate
+
+    target = Model.from_config(tiny_target().config, seed=0, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (5, 9, 17)]
+    for p, out in zip(prompts, ed.batched_greedy(target, prompts, 8), strict=True):
+        assert out == generate(target, p, max_new_tokens=8, drafter=None).token_ids
+    aux = default_aux_layers(target.config.n_layers)
+    ed.capture(target, random_docs(24, 200), tmp_path / "cap", aux, shard_tokens=300)
+    data = et.Captured(tmp_path / "cap")
+    assert data.get(0)["features"].device.type == "cpu"
+    assert data.get(0, target.device)["features"].device.type == "cuda"
+    head = et.train(target, tmp_path / "cap", tmp_path / "h", tiny_cfg(), aux)
+    assert head.fc.weight.device.type == "cuda"
+    curve = json.loads((tmp_path / "h" / "curve.json").read_text())
+    assert curve[-1]["val_loss"] < curve[0]["val_loss"]
+    cpu_target = Model.from_config(tiny_target().config, seed=0)
+    more = et.train(cpu_target, tmp_path / "cap", tmp_path / "h", tiny_cfg(steps=9), aux,
+                    resume=True)  # fmt: skip
+    assert more.fc.weight.device.type == "cpu"
+    assert json.loads((tmp_path / "h" / "curve.json").read_text())[-1]["step"] == 9

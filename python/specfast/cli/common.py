@@ -9,7 +9,7 @@ from typing import Any
 from specfast.targets.torch.model import DTYPE_CHOICES
 from specfast.targets.torch.steps import COMPILE_CHOICES
 
-__all__ = ["COMPILE_CHOICES", "DTYPE_CHOICES", "format_stats", "positive_int"]
+__all__ = ["COMPILE_CHOICES", "DTYPE_CHOICES", "format_stats", "positive_float", "positive_int"]
 
 
 def positive_int(s: str) -> int:
@@ -19,6 +19,16 @@ def positive_int(s: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not (v > 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
     return v
 
 

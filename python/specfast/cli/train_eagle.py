@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from specfast.cli.common import DTYPE_CHOICES, positive_int
+from specfast.cli.common import DTYPE_CHOICES, positive_float, positive_int
 from specfast.eagle.train import TrainConfig, train_eagle
 
 
@@ -34,10 +34,18 @@ def add_train_eagle(sub) -> None:
     t.add_argument("--max-len", type=positive_int, default=512, metavar="N")
     t.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N")
     t.add_argument("--max-prompts", type=positive_int, default=None, metavar="N")
+    t.add_argument(
+        "--prompt-scale",
+        type=positive_float,
+        default=1.0,
+        metavar="X",
+        help="X times the default number of code, completion and quoting prompts",
+    )
     t.add_argument("--corpus-tokens", type=int, default=200_000, metavar="N")
     t.add_argument("--batch-size", type=positive_int, default=16, metavar="N")
     t.add_argument("--eval-every", type=positive_int, default=100, metavar="N")
     t.add_argument("--threads", type=positive_int, default=None, metavar="N")
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="every stage there")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     t.add_argument(
         "--max-minutes",
@@ -69,10 +77,12 @@ def cmd_train_eagle(args: argparse.Namespace, resolve_model) -> int:
         dtype=args.dtype,
         resume=args.resume,
         max_minutes=args.max_minutes,
+        device=args.device,
         max_len=args.max_len,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
         max_prompts=args.max_prompts,
+        prompt_scale=args.prompt_scale,
         corpus_tokens=args.corpus_tokens,
     )
     print(f"head written to {args.out}", file=sys.stderr)

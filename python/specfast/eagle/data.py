@@ -37,10 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specfast.bench import workloads
 from specfast.generate import generate, render_chat
-from specfast.targets.torch.model import attention, linear
+from specfast.targets.torch.model import linear
 
 # ---------------------------------------------------------------------------- the split
 
@@ -474,42 +475,57 @@ def _answers_specfast(model, enc, max_new_tokens: int):
 
 def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids=()):
     """Greedy continuations of several prompts at once on a specfast Model -> one list of new
-    tokens per prompt (stopping after an EOS id). Every step runs all unfinished sequences
-    through the weights together, each row attending to its own KV cache at its own position:
-    batch-1 decoding on a CPU is bound by reading the weights, so B rows cost little more than
-    one. Row order can flip a near-tie against plain generate(); this makes training text.
+    tokens per prompt (stopping after an EOS id). Each prompt is prefilled on its own; then
+    every step runs all B sequences through the weights together, one row each at its own
+    position, over one (B, Hkv, S, hd) cache a layer with a mask per row: batch-1 decoding is
+    bound by reading the weights on a CPU and by kernel launches on a GPU, so B rows cost little
+    more than one. Finished rows go on being computed (their output ignored) rather than
+    gathered out. Row order and padding can flip a near-tie against plain generate(); this
+    makes training text.
     """
     eos = set(eos_ids)
-    decs = [model.decoder(len(p) + max_new_tokens) for p in prompts]
+    c, dev = model.config, model.device
+    B = len(prompts)
+    S = max(map(len, prompts)) + max_new_tokens
     outs: list[list[int]] = [[] for _ in prompts]
     with torch.inference_mode():
-        for dec, p, out in zip(decs, prompts, outs, strict=True):
-            out.append(int(dec.forward(torch.tensor(p), last_only=True).argmax(-1)))
-        live = [b for b in range(len(prompts)) if outs[b][-1] not in eos]
-        cos_t, sin_t = model.rope(max(d.max_length for d in decs))
+        shape = (c.n_layers, B, c.n_kv_heads, S, c.head_dim)
+        k_all = torch.zeros(shape, device=dev, dtype=model.dtype)
+        v_all = torch.zeros(shape, device=dev, dtype=model.dtype)
+        for b, p in enumerate(prompts):
+            dec = model.decoder(len(p))
+            outs[b].append(int(dec.forward(torch.tensor(p, device=dev), last_only=True).argmax(-1)))
+            k_all[:, b, :, : len(p)] = dec.cache.k
+            v_all[:, b, :, : len(p)] = dec.cache.v
+        pos = [len(p) for p in prompts]  # where each row's next token goes
+        live = {b for b in range(B) if outs[b][-1] not in eos}
+        cos_t, sin_t = model.rope(S)
         packed = model.packed_weights()
-        while live:
-            live = [b for b in live if len(outs[b]) < max_new_tokens]
-            if not live:
-                break
-            ids = torch.tensor([outs[b][-1] for b in live])
-            pos = [decs[b].length for b in live]
-            cos, sin = cos_t[pos][:, None, :], sin_t[pos][:, None, :]  # (T, 1, hd)
+        slots = torch.arange(S, device=dev)
+        batch = torch.arange(B, device=dev)
+        while live := {b for b in live if len(outs[b]) < max_new_tokens}:
+            ids = torch.tensor([out[-1] for out in outs], device=dev)
+            at = torch.tensor(pos, device=dev)
+            cos, sin = cos_t[at][:, None, :], sin_t[at][:, None, :]  # (B, 1, hd)
+            seen = (slots[None, :] <= at[:, None])[:, None, None, :]  # (B, 1, 1, S)
 
-            def attend(i, q, k, v, live=live, pos=pos):
-                # q (H, T, hd), k, v (Hkv, T, hd): column j is token j's, at its own position
-                y = torch.empty_like(q)
-                for j, b in enumerate(live):
-                    kc, vc = decs[b].cache.write(i, pos[j], k[:, j : j + 1], v[:, j : j + 1])
-                    y[:, j : j + 1] = attention(q[:, j : j + 1], kc, vc)
-                return y
+            def attend(i, q, k, v, at=at, seen=seen):
+                # q (H, B, hd), k, v (Hkv, B, hd): column b is sequence b's token, at its own
+                # position; its keys are row b of the layer's cache
+                k_all[i, batch, :, at] = k.transpose(0, 1)
+                v_all[i, batch, :, at] = v.transpose(0, 1)
+                y = F.scaled_dot_product_attention(
+                    q.transpose(0, 1)[:, :, None], k_all[i], v_all[i], attn_mask=seen,
+                    enable_gqa=True,
+                )  # fmt: skip
+                return y[:, :, 0].transpose(0, 1)  # (H, B, hd)
 
             x = model._layers(model.embed(ids), cos, sin, attend, packed)
             top = model._head(x, None, packed).argmax(dim=-1).tolist()
-            for j, b in enumerate(live):
-                decs[b].cache.length = pos[j] + 1
-                outs[b].append(top[j])
-            live = [b for b in live if outs[b][-1] not in eos]
+            for b in live:
+                outs[b].append(top[b])
+                pos[b] += 1
+            live = {b for b in live if outs[b][-1] not in eos}
     return outs
 
 

@@ -154,10 +154,11 @@ class Captured:
     def __len__(self) -> int:
         return len(self.docs)
 
-    def get(self, i: int) -> dict[str, torch.Tensor]:
+    def get(self, i: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         s, a, b = self.docs[i]
         h = self.handles[s]
-        return {k: h.get_slice(k)[a:b] for k in ("tokens", "features", "normed", "argmax")}
+        doc = {k: h.get_slice(k)[a:b] for k in ("tokens", "features", "normed", "argmax")}
+        return doc if device is None else {k: v.to(device) for k, v in doc.items()}
 
     def token_counts(self, vocab_size: int, docs: list[int]) -> torch.Tensor:
         counts = torch.zeros(vocab_size, dtype=torch.int64)
@@ -195,10 +196,10 @@ def ttt_loss(
         in_draft = head.t2d[top]  # (N,) SpecForge's mask: target argmax in the draft vocab
     head.bind_embedding(embed)
     hidden = head.fc(doc["features"].to(dtype)[:T])  # (T, H)
-    pos = torch.arange(T)
+    pos = torch.arange(T, device=tokens.device)
     keys: list = []
     values: list = []
-    total = torch.zeros(())
+    total = torch.zeros((), device=tokens.device)
     agree = []
     for s in range(steps):
         idx = (pos + 1 + s).clamp_max(N - 1)
@@ -249,9 +250,9 @@ def chain_drafts(head: EagleHead, features, tokens, embed, steps: int) -> torch.
     ids, T = N - 1: row s, column t is the (s+1)-th draft of a round whose step 0 reads the
     target's features of position t with token t+1. Later steps feed the head's own drafts, as
     drafting does (the same attention as training-time test, own tokens instead of the text's)."""
-    tokens = tokens.long()
+    tokens = tokens.long().to(features.device)
     T = tokens.shape[0] - 1
-    pos = torch.arange(T)
+    pos = torch.arange(T, device=features.device)
     dtype = head.fc.weight.dtype
     head.bind_embedding(embed)
     with torch.no_grad():
@@ -308,7 +309,7 @@ def held_out_acceptance(
         for w in workloads.build_workloads([kind], per_kind):
             prompt = target.tokenizer.encode(w.render(target.chat_template)).ids
             out = generate(target, prompt, max_new_tokens, drafter=None, ignore_eos=True)
-            ids = torch.tensor(prompt + out.token_ids)
+            ids = torch.tensor(prompt + out.token_ids, device=target.device)
             feats = target_features(target, ids, aux)[0].float()
             for name, head in heads.items():
                 drafts = chain_drafts(head, feats, ids, embed, max(k_values))
@@ -344,8 +345,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     draft_vocab_size: int = 4096
     seed: int = 0
-    # Autocast the matrix products to bf16 (float32 master weights). None: only where the CPU
-    # has native bf16; elsewhere torch emulates it, and a step ran 24x slower than in float32.
+    # Autocast the matrix products to bf16 (float32 master weights). None: on CUDA, and on a
+    # CPU with native bf16; elsewhere torch emulates it, and a step ran 24x slower than float32.
     bf16: bool | None = None
     eval_every: int = 100
     eval_docs: int = 32
@@ -354,14 +355,19 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.bf16 is None:
-            self.bf16 = cpu_has_native_bf16()
         for name in ("steps", "docs_per_step", "ttt_steps", "draft_vocab_size", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+
+
+def autocast_bf16(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether training on `device` autocasts to bf16 (cfg.bf16, or its default there)."""
+    if cfg.bf16 is not None:
+        return cfg.bf16
+    return device.type == "cuda" or cpu_has_native_bf16()
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -386,9 +392,10 @@ def doc_order(n: int, seed: int, epoch: int) -> list[int]:
 
 def evaluate(head, data: Captured, docs: list[int], embed, out_rows, cfg: TrainConfig) -> dict:
     stats, loss, n = None, 0.0, 0
-    with torch.no_grad(), _autocast(cfg.bf16):
+    device = embed.device
+    with torch.no_grad(), _autocast(autocast_bf16(cfg, device), device):
         for i in docs:
-            doc_loss, s = ttt_loss(head, data.get(i), embed, out_rows, cfg.ttt_steps)
+            doc_loss, s = ttt_loss(head, data.get(i, device), embed, out_rows, cfg.ttt_steps)
             stats = merge_stats(stats, s)
             loss, n = loss + float(doc_loss) * s["positions"], n + s["positions"]
     if stats is None:
@@ -399,8 +406,8 @@ def evaluate(head, data: Captured, docs: list[int], embed, out_rows, cfg: TrainC
     }
 
 
-def _autocast(enabled: bool):
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+def _autocast(enabled: bool, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 def train(
@@ -418,18 +425,20 @@ def train(
     """Train a head on the shards in data_dir; checkpoint.pt, curve.json and the head (config.json
     + model.safetensors) go to out_dir. `resume` continues from out_dir/checkpoint.pt;
     `stop_at` stops (with a checkpoint) after that many steps of the cfg.steps schedule;
-    `max_minutes` stops this leg when its time is up, saving the checkpoint and the head."""
+    `max_minutes` stops this leg when its time is up, saving the checkpoint and the head.
+    Trains on the target's device; the checkpoint loads on any device."""
     out_dir.mkdir(parents=True, exist_ok=True)
     save = save or save_head
     data = Captured(data_dir)
     train_docs, val_docs = split_docs(len(data), cfg.val_every)
     val_docs = val_docs[: cfg.eval_docs]
     ckpt_path = out_dir / "checkpoint.pt"
+    device = target.embed.weight.device
     embed = target.embed.weight.detach().float()
     if resume:
         if not ckpt_path.is_file():
             raise ValueError(f"--resume: no checkpoint at {ckpt_path}")
-        ckpt = torch.load(ckpt_path, weights_only=True)
+        ckpt = torch.load(ckpt_path, weights_only=True, map_location="cpu")
         # The schedule's length and the logging may change (a run extended), and bf16 with the
         # machine it goes on on; the recipe not.
         free = {"steps", "eval_every", "eval_docs", "checkpoint_every", "bf16"}
@@ -452,6 +461,7 @@ def train(
         coverage = float(counts[t2d].sum()) / max(int(counts.sum()), 1)
         start, curve, seen = 0, [{"step": 0, "tokens": 0, "draft_coverage": round(coverage, 4)}], 0
         before = 0.0
+    head.to(device)
     out_rows = target.output_weight.detach()[head.target_ids].float()
     opt = torch.optim.AdamW(
         head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
@@ -472,6 +482,7 @@ def train(
         tmp.replace(ckpt_path)
         (out_dir / "curve.json").write_text(json.dumps(curve, indent=1))
 
+    bf16 = autocast_bf16(cfg, device)
     bar = _progress(cfg.steps, start, log)
     window, t0 = None, time.perf_counter()
     n_train = len(train_docs)
@@ -486,8 +497,8 @@ def train(
             docs.append(train_docs[doc_order(n_train, cfg.seed, k // n_train)[k % n_train]])
         n_pos = sum(data.docs[i][2] - data.docs[i][1] - 1 for i in docs)
         for i in docs:
-            with _autocast(cfg.bf16):
-                loss, s = ttt_loss(head, data.get(i), embed, out_rows, cfg.ttt_steps)
+            with _autocast(bf16, device):
+                loss, s = ttt_loss(head, data.get(i, device), embed, out_rows, cfg.ttt_steps)
             (loss * s["positions"] / n_pos).backward()
             stats = merge_stats(stats, s)
             loss_sum += float(loss.detach()) * s["positions"]
@@ -568,7 +579,7 @@ class _progress:
 def to_eagle_head(head: EagleHead) -> EagleHead:
     """A frozen copy of the trained head, checked by the loader's rules (shapes, d2t in range,
     t2d marking the same ids)."""
-    tensors = {k: v.detach() for k, v in head.state_dict().items()}
+    tensors = {k: v.detach().cpu() for k, v in head.state_dict().items()}
     return head_from_tensors(head.config, tensors)
 
 
@@ -654,12 +665,14 @@ def train_eagle(
     log=sys.stderr,
     command: str | None = None,
     max_minutes: float | None = None,
+    device: str = "cpu",
     **data_options,
 ) -> EagleHead:
     """`specfast train-eagle`: the target answers the training prompts, one forward per
     document captures its features and distributions, then the head trains; the head lands
-    in out_dir (SpecForge layout) with curve.json and the data record."""
-    target = load_model(target_path, dtype=dtype, compile="off")
+    in out_dir (SpecForge layout) with curve.json and the data record. On `device` ("cuda":
+    every stage there, the captured shards on disk in the target's dtype)."""
+    target = load_model(target_path, dtype=dtype, compile="off", device=device)
     aux = default_aux_layers(target.config.n_layers)
     data_dir = data_dir or out_dir / "data"
     record = make_data(target, data_dir, aux, seed=cfg.seed, log=log, **data_options)
