@@ -282,6 +282,28 @@ def test_resume_continues_exactly(captured, tmp_path):
         et.train(target, folder, tmp_path / "r", tiny_cfg(lr=1e-2), aux, resume=True)
 
 
+def test_a_timed_run_fits_its_schedule_to_the_time(captured, tmp_path):
+    """With max_minutes, a fresh run times its first steps and ends its cosine schedule (lr
+    down to its floor, head saved) at a step that fits, well before cfg.steps here; the
+    checkpoint keeps that schedule. Without it the schedule is cfg.steps."""
+    target, folder, aux = captured
+    cfg = tiny_cfg(steps=100_000, eval_every=1000, checkpoint_every=1000)
+    et.train(target, folder, tmp_path / "t", cfg, aux, max_minutes=0.05)
+    ckpt = torch.load(tmp_path / "t" / "checkpoint.pt", weights_only=True)
+    assert et.FIT_STEPS < ckpt["schedule"] < cfg.steps
+    assert (
+        ckpt["step"]
+        == ckpt["schedule"]
+        == json.loads((tmp_path / "t" / "curve.json").read_text())[-1]["step"]
+    )
+    last_lr = ckpt["opt"]["param_groups"][0]["lr"]
+    assert last_lr == et.lr_at(cfg, ckpt["schedule"] - 1, ckpt["schedule"])
+    assert last_lr == pytest.approx(cfg.lr * cfg.min_lr_ratio, rel=0.05)  # at the floor
+    assert (tmp_path / "t" / "model.safetensors").is_file()
+    et.train(target, folder, tmp_path / "u", cfg, aux, stop_at=3)
+    assert torch.load(tmp_path / "u" / "checkpoint.pt", weights_only=True)["schedule"] == cfg.steps
+
+
 def test_saved_head_has_specforge_layout(captured, tmp_path):
     from safetensors.torch import load_file
 

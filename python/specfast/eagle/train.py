@@ -363,6 +363,12 @@ class TrainConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
 
 
+# A timed run's steps before it fits its schedule to the time left, and the share of that time
+# it plans to use (evaluations and checkpoints take the rest).
+FIT_STEPS = 10
+FIT_MARGIN = 0.85
+
+
 def autocast_bf16(cfg: TrainConfig, device: torch.device) -> bool:
     """Whether training on `device` autocasts to bf16 (cfg.bf16, or its default there)."""
     if cfg.bf16 is not None:
@@ -370,10 +376,12 @@ def autocast_bf16(cfg: TrainConfig, device: torch.device) -> bool:
     return device.type == "cuda" or cpu_has_native_bf16()
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
+def lr_at(cfg: TrainConfig, step: int, total: int | None = None) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio at `total` steps (default cfg.steps)."""
+    total = cfg.steps if total is None else total
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    t = min((step - cfg.warmup) / max(total - cfg.warmup, 1), 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
@@ -425,8 +433,10 @@ def train(
     """Train a head on the shards in data_dir; checkpoint.pt, curve.json and the head (config.json
     + model.safetensors) go to out_dir. `resume` continues from out_dir/checkpoint.pt;
     `stop_at` stops (with a checkpoint) after that many steps of the cfg.steps schedule;
-    `max_minutes` stops this leg when its time is up, saving the checkpoint and the head.
-    Trains on the target's device; the checkpoint loads on any device."""
+    `max_minutes` stops this leg when its time is up, saving the checkpoint and the head; a
+    fresh run with it times its first steps and, where cfg.steps would not fit, ends its
+    cosine schedule at the step that does (kept in the checkpoint for a resumed leg). Trains
+    on the target's device; the checkpoint loads on any device."""
     out_dir.mkdir(parents=True, exist_ok=True)
     save = save or save_head
     data = Captured(data_dir)
@@ -453,6 +463,7 @@ def train(
         head.load_state_dict(ckpt["head"])
         start, curve, seen = ckpt["step"], ckpt["curve"], ckpt["tokens"]
         before = ckpt.get("seconds", 0.0)
+        schedule = min(ckpt.get("schedule", cfg.steps), cfg.steps)
     else:
         counts = data.token_counts(target.vocab_size, train_docs)
         d2t, t2d = draft_vocabulary(counts, cfg.draft_vocab_size)
@@ -461,6 +472,7 @@ def train(
         coverage = float(counts[t2d].sum()) / max(int(counts.sum()), 1)
         start, curve, seen = 0, [{"step": 0, "tokens": 0, "draft_coverage": round(coverage, 4)}], 0
         before = 0.0
+        schedule = cfg.steps
     head.to(device)
     out_rows = target.output_weight.detach()[head.target_ids].float()
     opt = torch.optim.AdamW(
@@ -476,7 +488,7 @@ def train(
         torch.save(
             {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "tokens": seen,
              "curve": curve, "cfg": asdict(cfg), "head_config": head.config.to_dict(),
-             "seconds": before + time.perf_counter() - t0},
+             "seconds": before + time.perf_counter() - t0, "schedule": schedule},
             tmp,
         )  # fmt: skip
         tmp.replace(ckpt_path)
@@ -486,10 +498,14 @@ def train(
     bar = _progress(cfg.steps, start, log)
     window, t0 = None, time.perf_counter()
     n_train = len(train_docs)
-    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    end = schedule if stop_at is None else min(stop_at, schedule)
+    # A fresh timed run fits its schedule to the time after FIT_STEPS steps (the first one
+    # timed apart: it warms allocators and kernels).
+    fit_at = start + FIT_STEPS if max_minutes is not None and not resume else None
+    t_fit = None
     for step in range(start, end):
         for gr in opt.param_groups:
-            gr["lr"] = lr_at(cfg, step)
+            gr["lr"] = lr_at(cfg, step, schedule)
         opt.zero_grad(set_to_none=True)
         docs, stats, loss_sum = [], None, 0.0
         for j in range(cfg.docs_per_step):
@@ -513,6 +529,15 @@ def train(
             acc0=summ["acc"][0],
             tau=summ["tau"],
         )
+        if step == start:
+            t_fit = time.perf_counter()
+        if fit_at is not None and step + 1 == fit_at and fit_at < end:
+            per_step = (time.perf_counter() - t_fit) / (FIT_STEPS - 1)
+            left = 60 * max_minutes - (time.perf_counter() - t0)
+            fitted = max(step + 2, step + 1 + int(FIT_MARGIN * left / per_step))
+            if fitted < schedule:
+                schedule, end = fitted, min(end, fitted)
+                bar.write(f"{per_step:.3f} s a step: the schedule ends at step {schedule}")
         out_of_time = max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes
         last = step + 1 == end or out_of_time
         if (step + 1) % cfg.eval_every == 0 or last:
@@ -534,8 +559,10 @@ def train(
             bar.write(f"time is up ({max_minutes} min) after step {step + 1} of {cfg.steps}")
             save(head, out_dir)
             break
+        if step + 1 >= end:  # a fitted schedule ends before the range does
+            break
     bar.close()
-    if end == cfg.steps:
+    if end == schedule:
         save(head, out_dir)
     return head
 
