@@ -140,6 +140,20 @@ def llama_cpp_permute(w, n_head):
     )
 
 
+def tiny_llama_gguf(path, max_positions: int = 256):
+    """A random 6-layer transformers llama (vocabulary 320, width 32), written by
+    write_tiny_gguf: a GGUF target for the command-line tests."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return write_tiny_gguf(transformers.LlamaForCausalLM(config).eval(), path)
+
+
 def write_tiny_gguf(hf_model, path):
     """Write a transformers llama/qwen2 model as llama.cpp would (F32 tensors, permuted Q/K for
     llama), with a tiny byte-level BPE tokenizer of vocab_size tokens."""

@@ -343,19 +343,12 @@ def test_saved_head_has_specforge_layout(captured, tmp_path):
 
 
 def test_train_eagle_command_end_to_end(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    from conftest import write_tiny_gguf
+    pytest.importorskip("transformers")
+    from conftest import tiny_llama_gguf
 
     from specfast.cli import main
 
-    config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    gguf = write_tiny_gguf(hf, tmp_path / "tiny.gguf")
+    gguf = tiny_llama_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "head"
     args = ["train-eagle", "--target", str(gguf), "--out", str(out), "--dtype", "float32"]
     args += ["--steps", "3", "--docs-per-step", "2", "--max-prompts", "6", "--draft-vocab", "40"]

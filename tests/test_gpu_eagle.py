@@ -10,7 +10,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_eagle.sh"
@@ -22,16 +21,10 @@ pytestmark = [
 
 
 def test_rehearsal_trains_a_head_and_measures_it(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    from conftest import write_tiny_gguf
+    pytest.importorskip("transformers")
+    from conftest import tiny_llama_gguf
 
-    config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    gguf = write_tiny_gguf(transformers.LlamaForCausalLM(config).eval(), tmp_path / "t.gguf")
+    gguf = tiny_llama_gguf(tmp_path / "t.gguf", max_positions=512)
     out = tmp_path / "out"
     env = {**os.environ, "DEVICE": "cpu", "QUICK": "1", "MODEL": str(gguf), "OUT": str(out)}
     env |= {"CORPUS_TOKENS": "400", "STEPS": "4", "DOCS_PER_STEP": "2", "DRAFT_VOCAB": "64"}
