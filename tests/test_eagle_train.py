@@ -282,11 +282,14 @@ def test_resume_continues_exactly(captured, tmp_path):
         et.train(target, folder, tmp_path / "r", tiny_cfg(lr=1e-2), aux, resume=True)
 
 
-def test_a_timed_run_fits_its_schedule_to_the_time(captured, tmp_path):
+def test_a_timed_run_fits_its_schedule_to_the_time(captured, tmp_path, monkeypatch):
     """With max_minutes, a fresh run times its first steps and ends its cosine schedule (lr
     down to its floor, head saved) at a step that fits, well before cfg.steps here; the
-    checkpoint keeps that schedule. Without it the schedule is cfg.steps."""
+    checkpoint keeps that schedule. Without it the schedule is cfg.steps. The clock is the
+    test's: every reading moves it on 50 ms."""
     target, folder, aux = captured
+    clock = iter(range(10**9))
+    monkeypatch.setattr(et.time, "perf_counter", lambda: 0.05 * next(clock))
     cfg = tiny_cfg(steps=100_000, eval_every=1000, checkpoint_every=1000)
     et.train(target, folder, tmp_path / "t", cfg, aux, max_minutes=0.05)
     ckpt = torch.load(tmp_path / "t" / "checkpoint.pt", weights_only=True)
@@ -300,6 +303,11 @@ def test_a_timed_run_fits_its_schedule_to_the_time(captured, tmp_path):
     assert last_lr == et.lr_at(cfg, ckpt["schedule"] - 1, ckpt["schedule"])
     assert last_lr == pytest.approx(cfg.lr * cfg.min_lr_ratio, rel=0.05)  # at the floor
     assert (tmp_path / "t" / "model.safetensors").is_file()
+    # resumed after its schedule ended, the run goes on to cfg.steps (an extension)
+    more = tiny_cfg(steps=ckpt["schedule"] + 2, eval_every=1000, checkpoint_every=1000)
+    et.train(target, folder, tmp_path / "t", more, aux, resume=True)
+    ckpt = torch.load(tmp_path / "t" / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] == ckpt["schedule"] == more.steps
     et.train(target, folder, tmp_path / "u", cfg, aux, stop_at=3)
     assert torch.load(tmp_path / "u" / "checkpoint.pt", weights_only=True)["schedule"] == cfg.steps
 

@@ -463,7 +463,9 @@ def train(
         head.load_state_dict(ckpt["head"])
         start, curve, seen = ckpt["step"], ckpt["curve"], ckpt["tokens"]
         before = ckpt.get("seconds", 0.0)
-        schedule = min(ckpt.get("schedule", cfg.steps), cfg.steps)
+        # a leg of the same schedule; once that ended, going on is an extension to cfg.steps
+        schedule = ckpt.get("schedule", cfg.steps)
+        schedule = cfg.steps if start >= schedule else min(schedule, cfg.steps)
     else:
         counts = data.token_counts(target.vocab_size, train_docs)
         d2t, t2d = draft_vocabulary(counts, cfg.draft_vocab_size)
@@ -741,8 +743,9 @@ def write_record(out_dir: Path, record: dict, cfg: TrainConfig, seconds: float, 
         f"({record.get('answer_tokens', 0)} answer tokens), {record.get('corpus_tokens', 0)} "
         f"corpus tokens teacher-forced; {record.get('positions', 0)} captured positions "
         f"(target dtype {record.get('target_dtype')}, aux layers {record.get('aux_layers')})",
-        f"- training: {cfg.steps} steps x {cfg.docs_per_step} documents, TTT steps "
-        f"{cfg.ttt_steps}, lr {cfg.lr}, draft vocabulary {cfg.draft_vocab_size}, seed {cfg.seed}; "
+        f"- training: {last.get('step', cfg.steps)} steps x {cfg.docs_per_step} documents, "
+        f"TTT steps {cfg.ttt_steps}, lr {cfg.lr}, draft vocabulary {cfg.draft_vocab_size}, "
+        f"seed {cfg.seed}; "
         f"{last.get('tokens', 0)} positions trained in {seconds / 60:.1f} min",
         "",
         "tau is 1 + the mean run of steps whose top-1 agrees with the target's (an estimate of",
