@@ -45,6 +45,11 @@ else
     python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
         --no-index --no-deps --no-compile --target "$WORK/lib" .whl/*.whl
     PY=(env PYTHONPATH="$WORK/lib" python3)
+    # A wheel built before the last Python edit would train with old code: run this tree's.
+    if ! diff -rq -x '*.so' -x __pycache__ python/specfast "$WORK/lib/specfast" >/dev/null 2>&1; then
+        log "the wheel's Python differs from this tree's; using the tree's"
+        (cd python && find specfast -type f ! -name '*.so' -exec cp --parents {} "$WORK/lib" \;)
+    fi
 fi
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
