@@ -42,23 +42,6 @@ pub struct Shape {
     pub pos: usize,
 }
 
-/// x (T, dim) <- the layer applied to x, writing the T new keys and values into the cache
-/// (k_cache, v_cache: (Hkv, S, hd)) at pos... cos and sin are (T, hd): the RoPE table's rows
-/// for the pass's positions.
-#[allow(clippy::too_many_arguments)]
-pub fn forward(
-    x: &mut [f32],
-    w: &Weights<'_>,
-    s: &Shape,
-    cos: &[f32],
-    sin: &[f32],
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
-) -> Result<()> {
-    check(x, w, s, cos, sin, k_cache, v_cache)?;
-    forward_with(x, w, s, cos, sin, k_cache, v_cache, &mut Scratch::default())
-}
-
 /// The buffers a layer writes in full before it reads them: made once for a pass and reused by
 /// each of its layers (zeroing fresh ones for every layer took ~5 % of a long prefill).
 #[derive(Default)]
@@ -80,9 +63,12 @@ fn fit(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     &mut buf[..len]
 }
 
-/// `forward` on shapes `check` has passed, with the pass's scratch buffers.
+/// x (T, dim) <- the layer applied to x, writing the T new keys and values into the cache
+/// (k_cache, v_cache: (Hkv, S, hd)) at pos... cos and sin are (T, hd): the RoPE table's rows
+/// for the pass's positions. On shapes `check` has passed, with the pass's scratch buffers
+/// ([`forward_layers`] is the checked entry point, for one layer or many).
 #[allow(clippy::too_many_arguments)]
-fn forward_with(
+fn forward(
     x: &mut [f32],
     w: &Weights<'_>,
     s: &Shape,
@@ -212,7 +198,7 @@ impl Head<'_> {
     }
 }
 
-/// x (T, dim) <- every layer of `layers` applied in turn: [`forward`] for layer l over its cache
+/// x (T, dim) <- every layer of `layers` applied in turn: `forward` for layer l over its cache
 /// (k_cache, v_cache: (L, Hkv, S, hd), layer l's part at l·Hkv·S·hd). One call for a whole pass,
 /// so that nothing runs between the layers. `features` (n, T, dim) gets, for each
 /// `feature_layers[j]`, the residual stream entering that layer (an EAGLE-3 head reads them).
@@ -269,7 +255,7 @@ pub fn forward_layers(
         for (j, _) in feature_layers.iter().enumerate().filter(|&(_, &f)| f == l) {
             features[j * x.len()..(j + 1) * x.len()].copy_from_slice(x);
         }
-        forward_with(x, w, s, cos, sin, k, v, &mut scratch)?;
+        forward(x, w, s, cos, sin, k, v, &mut scratch)?;
     }
     match head {
         Some((h, logits)) => h.logits(x, logits),
@@ -380,6 +366,28 @@ mod tests {
     use crate::int8::Int8Matrix;
     use crate::q4::Q4Matrix;
 
+    /// One layer through the checked entry point; rope is [cos, sin], kv the layer's cache.
+    fn one_layer(
+        x: &mut [f32],
+        w: &Weights<'_>,
+        s: &Shape,
+        [cos, sin]: [&[f32]; 2],
+        (k, v): (&mut [f32], &mut [f32]),
+    ) -> Result<()> {
+        forward_layers(
+            x,
+            std::slice::from_ref(w),
+            s,
+            cos,
+            sin,
+            k,
+            v,
+            &[],
+            &mut [],
+            None,
+        )
+    }
+
     struct Layer {
         attn_norm: Vec<f32>,
         qkv: Box<dyn Product>,
@@ -471,7 +479,7 @@ mod tests {
             pos,
             ..SHAPE
         };
-        forward(x, &w, &s, &cos, &sin, &mut cache.0, &mut cache.1).unwrap();
+        one_layer(x, &w, &s, [&cos, &sin], (&mut cache.0, &mut cache.1)).unwrap();
     }
 
     /// A pass long enough that its norms, activation rounding and SiLU go to both threads in
@@ -571,7 +579,7 @@ mod tests {
         for (l, w) in ws.iter().enumerate() {
             seen.push(each.clone());
             let (kl, vl) = (&mut k1[l * n..(l + 1) * n], &mut v1[l * n..(l + 1) * n]);
-            forward(&mut each, w, &s, &c, &sn, kl, vl).unwrap();
+            one_layer(&mut each, w, &s, [&c, &sn], (kl, vl)).unwrap();
         }
         assert_eq!(whole, each);
         assert_eq!((k, v), (k1, v1));
@@ -678,16 +686,17 @@ mod tests {
         let w = l.weights();
         let mut x = vec![0.0; DIM];
         let c = vec![1.0; 12];
-        let err = forward(&mut x, &w, &SHAPE, &c, &c, &mut cache.0, &mut cache.1).unwrap_err();
+        let err =
+            one_layer(&mut x, &w, &SHAPE, [&c, &c], (&mut cache.0, &mut cache.1)).unwrap_err();
         assert!(err.to_string().contains("k_cache"), "{err}");
         let (mut k, mut v) = (vec![0.0; n], vec![0.0; n]);
-        assert!(forward(&mut x, &w, &SHAPE, &c[..6], &c, &mut k, &mut v).is_err());
+        assert!(one_layer(&mut x, &w, &SHAPE, [&c[..6], &c], (&mut k, &mut v)).is_err());
         let far = Shape {
             pos: usize::MAX,
             ..SHAPE
         };
-        let err = forward(&mut x, &w, &far, &c, &c, &mut k, &mut v).unwrap_err();
+        let err = one_layer(&mut x, &w, &far, [&c, &c], (&mut k, &mut v)).unwrap_err();
         assert!(err.to_string().contains("do not fit"), "{err}");
-        forward(&mut x, &w, &SHAPE, &c, &c, &mut k, &mut v).unwrap();
+        one_layer(&mut x, &w, &SHAPE, [&c, &c], (&mut k, &mut v)).unwrap();
     }
 }
