@@ -4,7 +4,8 @@
 //!
 //! - the peak rate of one core: vpmaddubsw (32 int8 multiply-adds) and float32 FMA (8), each in
 //!   independent chains, so throughput and not latency is timed; and vpmaddubsw with the i16
-//!   add and the broadcast operand that the q4 kernel needs beside each one;
+//!   add and the broadcast operand that the q4 kernel needs beside each one; on AVX-512 VNNI
+//!   CPUs, vpdpbusd on zmm (64) and zmm FMA (16), the instructions of the VNNI kernels;
 //! - SmolLM2-135M's 120 layer matrices in 4-bit (q4) and its output matrix in int8, at 1-16
 //!   rows, with both threads (`helper`), distinct matrices so that the weights come from memory;
 //! - attention of 9 query heads over 3 kv heads (head size 64) at 1 and 9 rows after 500 and
@@ -45,8 +46,10 @@ fn fastest(tries: usize, mut f: impl FnMut()) -> f64 {
 #[cfg(target_arch = "x86_64")]
 mod peak {
     use std::arch::x86_64::{
-        __m256, __m256i, _mm256_add_epi16, _mm256_add_ps, _mm256_fmadd_ps, _mm256_maddubs_epi16,
-        _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_si256,
+        __m256, __m256i, __m512, __m512i, _mm256_add_epi16, _mm256_add_ps, _mm256_fmadd_ps,
+        _mm256_maddubs_epi16, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps,
+        _mm256_setzero_si256, _mm512_add_epi32, _mm512_add_ps, _mm512_dpbusd_epi32,
+        _mm512_fmadd_ps, _mm512_set1_epi8, _mm512_set1_ps,
     };
 
     /// n rounds of 8 independent vpmaddubsw chains.
@@ -78,6 +81,32 @@ mod peak {
             }
         }
         acc.iter().fold(acc[0], |s, &a| _mm256_add_epi16(s, a))
+    }
+
+    /// n rounds of 12 independent zmm vpdpbusd chains.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn dpbusd_zmm(n: usize) -> __m512i {
+        let x = _mm512_set1_epi8(std::hint::black_box(1));
+        let mut acc = [_mm512_set1_epi8(1); 12];
+        for _ in 0..n {
+            for a in &mut acc {
+                *a = _mm512_dpbusd_epi32(*a, x, x);
+            }
+        }
+        acc.iter().fold(acc[0], |s, &a| _mm512_add_epi32(s, a))
+    }
+
+    /// n rounds of 12 independent zmm FMA chains.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fma_zmm(n: usize) -> __m512 {
+        let x = _mm512_set1_ps(std::hint::black_box(1.0));
+        let mut acc = [_mm512_set1_ps(1.0); 12];
+        for _ in 0..n {
+            for a in &mut acc {
+                *a = _mm512_fmadd_ps(*a, x, x);
+            }
+        }
+        acc.iter().fold(acc[0], |s, &a| _mm512_add_ps(s, a))
     }
 
     /// n rounds of 10 independent FMA chains.
@@ -127,6 +156,27 @@ fn peak_rates() {
         10.0 * n as f64 / t / 1e9,
         80.0 * n as f64 / t / 1e9
     );
+    if !(is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni")) {
+        return;
+    }
+    // SAFETY: as above.
+    let t = fastest(3, || {
+        std::hint::black_box(unsafe { peak::dpbusd_zmm(n) });
+    });
+    println!(
+        "one core: {:.2} G zmm vpdpbusd/s ({:.0} G int8 multiply-adds/s)",
+        12.0 * n as f64 / t / 1e9,
+        768.0 * n as f64 / t / 1e9
+    );
+    // SAFETY: as above.
+    let t = fastest(3, || {
+        std::hint::black_box(unsafe { peak::fma_zmm(n) });
+    });
+    println!(
+        "one core: {:.2} G zmm FMA/s ({:.0} G float32 multiply-adds/s)",
+        12.0 * n as f64 / t / 1e9,
+        192.0 * n as f64 / t / 1e9
+    );
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -171,6 +221,22 @@ fn products() {
             th * 1e3
         );
     }
+    // One 3072x576 matrix (1.1 MB in q4) again and again: from L2, so the kernel's own rate,
+    // to set beside the cores' vpdpbusd peak above (two cores here).
+    let (r, c) = (3072usize, 576usize);
+    let m = Q4Matrix::quantize(&values(7, r * c), r, c).unwrap();
+    print!("q4 {r}x{c} from L2, multiply-adds/s on both cores:");
+    for n in [1usize, 9, 12] {
+        let x = values(1, n * c);
+        let mut out = vec![0.0f32; n * r];
+        let t = fastest(5, || {
+            for _ in 0..200 {
+                m.matmul(&x, &mut out, kernel).unwrap();
+            }
+        }) / 200.0;
+        print!("  {n} rows {:.0} G", (n * r * c) as f64 / t / 1e9);
+    }
+    println!();
 }
 
 fn attention() {

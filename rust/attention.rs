@@ -701,14 +701,12 @@ unsafe fn bundle<V: Lanes>(
         buf.resize(m * width, 0.0);
     }
     let scores = &mut buf[..m * width];
+    let qs = &q[first * hd..(first + m) * hd];
     for j0 in (0..most).step_by(TILE_KEYS) {
-        for (i, row) in scores.chunks_exact_mut(width).enumerate() {
-            let end = keys(i).min(j0 + TILE_KEYS);
-            if j0 < end {
-                let qrow = &q[(first + i) * hd..(first + i + 1) * hd];
-                dots::<V>(qrow, &kh[j0 * hd..end * hd], scale, &mut row[j0..end]);
-            }
-        }
+        let ends: Vec<usize> = (0..m)
+            .map(|i| keys(i).min(j0 + TILE_KEYS).max(j0))
+            .collect();
+        score_tile::<V>(qs, kh, scale, &ends, j0, scores, width);
     }
     let mut totals = vec![None; m];
     for (i, (row, total)) in scores.chunks_exact_mut(width).zip(&mut totals).enumerate() {
@@ -716,16 +714,16 @@ unsafe fn bundle<V: Lanes>(
         *total = softmax_weights::<V>(&mut row[..n.next_multiple_of(LANES)], n);
     }
     // Per item and lane-group: its even chain, then its odd one (hd / LANES groups each).
-    let chunks = hd / LANES;
     let mut chains = vec![0.0f32; m * 2 * hd];
     for j0 in (0..most).step_by(TILE_KEYS) {
-        for (i, row) in scores.chunks_exact(width).enumerate() {
-            let end = keys(i).min(j0 + TILE_KEYS);
-            if j0 < end && totals[i].is_some() {
-                let state = &mut chains[i * 2 * hd..(i + 1) * 2 * hd];
-                accumulate::<V>(&row[j0..end], &vh[j0 * hd..end * hd], hd, chunks, state);
-            }
-        }
+        // Items with no keys left in this tile, or no weights (NaN rows), end here.
+        let ends: Vec<usize> = (0..m)
+            .map(|i| match totals[i] {
+                Some(_) => keys(i).min(j0 + TILE_KEYS).max(j0),
+                None => j0,
+            })
+            .collect();
+        value_tile::<V>(scores, width, vh, hd, &ends, j0, &mut chains);
     }
     for (i, o) in out.chunks_exact_mut(hd).enumerate() {
         let Some(total) = totals[i] else {
@@ -739,6 +737,97 @@ unsafe fn bundle<V: Lanes>(
     }
 }
 
+/// Scores of a bundle's items (queries `qs`, hd each) over the keys `j0..ends[i]` of a tile,
+/// into row i of `scores`. Two items over the same keys go together and share each key loaded
+/// (`key_lanes_two`); each score is still `dot`'s.
+#[inline(always)]
+unsafe fn score_tile<V: Lanes>(
+    qs: &[f32],
+    kh: &[f32],
+    scale: f32,
+    ends: &[usize],
+    j0: usize,
+    scores: &mut [f32],
+    width: usize,
+) {
+    let hd = qs.len() / ends.len(); // one query per item
+    let qrow = |i: usize| &qs[i * hd..(i + 1) * hd];
+    let mut i = 0;
+    while i < ends.len() {
+        let e = ends[i];
+        let mut j = j0;
+        let two = V::WIDE && hd.is_multiple_of(LANES) && ends.get(i + 1) == Some(&e);
+        if two {
+            while j + 8 <= e {
+                let acc = key_lanes_two::<V>(qrow(i), qrow(i + 1), kh.as_ptr().add(j * hd));
+                let mut both = [0.0f32; 16];
+                V::sums_scaled(&acc, scale, both.as_mut_ptr());
+                scores[i * width + j..][..8].copy_from_slice(&both[..8]);
+                scores[(i + 1) * width + j..][..8].copy_from_slice(&both[8..]);
+                j += 8;
+            }
+        }
+        let n = 1 + usize::from(two);
+        for r in i..i + n {
+            if j < e {
+                dots::<V>(
+                    qrow(r),
+                    &kh[j * hd..e * hd],
+                    scale,
+                    &mut scores[r * width + j..r * width + e],
+                );
+            }
+        }
+        i += n;
+    }
+}
+
+/// Continues the even and odd chains of a bundle's items (`chains`: per item, even then odd,
+/// hd each) over keys `j0..ends[i]` of a tile, item i's weights in row i of `scores`. Up to
+/// ITEMS_PER_LOAD items over the same keys go together and share each value loaded.
+#[inline(always)]
+unsafe fn value_tile<V: Lanes>(
+    scores: &[f32],
+    width: usize,
+    vh: &[f32],
+    hd: usize,
+    ends: &[usize],
+    j0: usize,
+    chains: &mut [f32],
+) {
+    let chunks = hd / LANES;
+    let mut i = 0;
+    while i < ends.len() {
+        let e = ends[i];
+        let n = ends[i..]
+            .iter()
+            .take(ITEMS_PER_LOAD)
+            .take_while(|&&x| x == e)
+            .count();
+        let vt = &vh[j0 * hd..e * hd];
+        let cp = chains.as_mut_ptr();
+        if e > j0 && V::WIDE && n == ITEMS_PER_LOAD && chunks.is_multiple_of(4) {
+            let ps = std::array::from_fn(|r| scores[(i + r) * width + j0..].as_ptr());
+            let states = std::array::from_fn(|r| cp.add((i + r) * 2 * hd));
+            for c0 in (0..chunks).step_by(4) {
+                accumulate_items::<V, ITEMS_PER_LOAD, 4>(&ps, e - j0, vt, hd, c0, &states);
+            }
+        } else if e > j0 {
+            for r in i..i + n {
+                let state = &mut chains[r * 2 * hd..(r + 1) * 2 * hd];
+                accumulate::<V>(
+                    &scores[r * width + j0..r * width + e],
+                    vt,
+                    hd,
+                    chunks,
+                    state,
+                );
+            }
+        }
+        i += n;
+    }
+}
+
 /// Continues an item's even and odd chains (`state`: even then odd, hd each) over one tile of
 /// keys (`p` their weights, `vt` their values), as `lane_groups` runs them over all keys:
 /// even keys into the even chain, odd ones into the odd one, a last unpaired key into the even
@@ -746,57 +835,74 @@ unsafe fn bundle<V: Lanes>(
 #[inline(always)]
 unsafe fn accumulate<V: Lanes>(p: &[f32], vt: &[f32], hd: usize, chunks: usize, state: &mut [f32]) {
     debug_assert!(vt.len() >= p.len() * hd && state.len() == 2 * hd);
+    let (ps, states, keys) = ([p.as_ptr()], [state.as_mut_ptr()], p.len());
     let mut c0 = 0;
     // Eight chains in flight where 32 registers hold them, four otherwise.
     while V::WIDE && c0 + 4 <= chunks {
-        accumulate_groups::<V, 4>(p, vt, hd, c0, state);
+        accumulate_items::<V, 1, 4>(&ps, keys, vt, hd, c0, &states);
         c0 += 4;
     }
     while c0 + 2 <= chunks {
-        accumulate_groups::<V, 2>(p, vt, hd, c0, state);
+        accumulate_items::<V, 1, 2>(&ps, keys, vt, hd, c0, &states);
         c0 += 2;
     }
     if c0 < chunks {
-        accumulate_groups::<V, 1>(p, vt, hd, c0, state);
+        accumulate_items::<V, 1, 1>(&ps, keys, vt, hd, c0, &states);
     }
 }
 
-/// `accumulate` for lane-groups c0..c0+G.
+/// Items whose value sums `bundle` runs together, each value vector loaded once for all.
+const ITEMS_PER_LOAD: usize = 3;
+
+/// `accumulate` for lane-groups c0..c0+G of N items over the same `keys` values (`ps[i]` item
+/// i's weights, `states[i]` its chains): each item's chains get the same multiply-adds in the
+/// same order as alone, so the same bits; each value loaded serves all N.
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // even[g], odd[g] and chunk c0 + g together
-unsafe fn accumulate_groups<V: Lanes, const G: usize>(
-    p: &[f32],
+#[allow(clippy::needless_range_loop)] // even[i][g], odd[i][g] and chunk c0 + g together
+unsafe fn accumulate_items<V: Lanes, const N: usize, const G: usize>(
+    ps: &[*const f32; N],
+    keys: usize,
     vt: &[f32],
     hd: usize,
     c0: usize,
-    state: &mut [f32],
+    states: &[*mut f32; N],
 ) {
-    let (pp, sp, vp) = (p.as_ptr(), state.as_mut_ptr(), vt.as_ptr().add(c0 * LANES));
-    let mut even = [V::zero(); G];
-    let mut odd = [V::zero(); G];
-    for g in 0..G {
-        even[g] = V::load(sp.add((c0 + g) * LANES));
-        odd[g] = V::load(sp.add(hd + (c0 + g) * LANES));
+    debug_assert!(vt.len() >= keys * hd);
+    let vp = vt.as_ptr().add(c0 * LANES);
+    let mut even = [[V::zero(); G]; N];
+    let mut odd = [[V::zero(); G]; N];
+    for i in 0..N {
+        for g in 0..G {
+            even[i][g] = V::load(states[i].add((c0 + g) * LANES));
+            odd[i][g] = V::load(states[i].add(hd + (c0 + g) * LANES));
+        }
     }
     let mut j = 0;
-    while j + 2 <= p.len() {
-        let (p0, p1) = (V::splat(*pp.add(j)), V::splat(*pp.add(j + 1)));
+    while j + 2 <= keys {
         let (r0, r1) = (vp.add(j * hd), vp.add((j + 1) * hd));
         for g in 0..G {
-            even[g] = V::fma(p0, V::load(r0.add(g * LANES)), even[g]);
-            odd[g] = V::fma(p1, V::load(r1.add(g * LANES)), odd[g]);
+            let (v0, v1) = (V::load(r0.add(g * LANES)), V::load(r1.add(g * LANES)));
+            for i in 0..N {
+                even[i][g] = V::fma(V::splat(*ps[i].add(j)), v0, even[i][g]);
+                odd[i][g] = V::fma(V::splat(*ps[i].add(j + 1)), v1, odd[i][g]);
+            }
         }
         j += 2;
     }
-    if j < p.len() {
-        let (p0, r0) = (V::splat(*pp.add(j)), vp.add(j * hd));
+    if j < keys {
+        let r0 = vp.add(j * hd);
         for g in 0..G {
-            even[g] = V::fma(p0, V::load(r0.add(g * LANES)), even[g]);
+            let v0 = V::load(r0.add(g * LANES));
+            for i in 0..N {
+                even[i][g] = V::fma(V::splat(*ps[i].add(j)), v0, even[i][g]);
+            }
         }
     }
-    for g in 0..G {
-        even[g].store(sp.add((c0 + g) * LANES));
-        odd[g].store(sp.add(hd + (c0 + g) * LANES));
+    for i in 0..N {
+        for g in 0..G {
+            even[i][g].store(states[i].add((c0 + g) * LANES));
+            odd[i][g].store(states[i].add(hd + (c0 + g) * LANES));
+        }
     }
 }
 
@@ -894,6 +1000,23 @@ unsafe fn key_lanes<V: Lanes, const K: usize>(q: &[f32], kp: *const f32) -> [V; 
         let qc = V::load(q.as_ptr().add(c));
         for (i, a) in acc.iter_mut().enumerate() {
             *a = V::fma(qc, V::load(kp.add(i * hd + c)), *a);
+        }
+    }
+    acc
+}
+
+/// `key_lanes` of two queries for the 8 keys at `kp`, each key vector loaded once for both:
+/// the first query's 8 accumulators, then the second's.
+#[inline(always)]
+unsafe fn key_lanes_two<V: Lanes>(q0: &[f32], q1: &[f32], kp: *const f32) -> [V; 16] {
+    let hd = q0.len();
+    let mut acc = [V::zero(); 16];
+    for c in (0..hd).step_by(LANES) {
+        let (a, b) = (V::load(q0.as_ptr().add(c)), V::load(q1.as_ptr().add(c)));
+        for i in 0..8 {
+            let kc = V::load(kp.add(i * hd + c));
+            acc[i] = V::fma(a, kc, acc[i]);
+            acc[8 + i] = V::fma(b, kc, acc[8 + i]);
         }
     }
     acc
