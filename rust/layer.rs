@@ -6,7 +6,7 @@
 //! Here the whole layer is one call, and each operation reads only its own row, so a verify
 //! pass over k+1 tokens gives exactly what k+1 one-token passes give (see `attention`).
 
-use crate::attention::{self, Dims};
+use crate::attention::{self, Dims, Elem};
 use crate::error::{Error, Result};
 use crate::helper;
 use crate::int8::{Kernel, Product, ROW_VALUES};
@@ -68,14 +68,14 @@ fn fit(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
 /// for the pass's positions. On shapes `check` has passed, with the pass's scratch buffers
 /// ([`forward_layers`] is the checked entry point, for one layer or many).
 #[allow(clippy::too_many_arguments)]
-fn forward(
+fn forward<E: Elem>(
     x: &mut [f32],
     w: &Weights<'_>,
     s: &Shape,
     cos: &[f32],
     sin: &[f32],
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
+    k_cache: &mut [E],
+    v_cache: &mut [E],
     sc: &mut Scratch,
 ) -> Result<()> {
     let dim = w.attn_norm.len();
@@ -113,8 +113,12 @@ fn forward(
         for j in 0..hkv {
             let at = (j * s.capacity + slot) * hd;
             let (k0, v0) = ((h + j) * hd, (h + hkv + j) * hd);
-            k_cache[at..at + hd].copy_from_slice(&row[k0..k0 + hd]);
-            v_cache[at..at + hd].copy_from_slice(&row[v0..v0 + hd]);
+            for (c, &x) in k_cache[at..at + hd].iter_mut().zip(&row[k0..k0 + hd]) {
+                *c = E::from_f32(x);
+            }
+            for (c, &x) in v_cache[at..at + hd].iter_mut().zip(&row[v0..v0 + hd]) {
+                *c = E::from_f32(x);
+            }
         }
     }
     let d = Dims {
@@ -204,14 +208,14 @@ impl Head<'_> {
 /// `feature_layers[j]`, the residual stream entering that layer (an EAGLE-3 head reads them).
 /// With `head`, its logits buffer (R, V) then gets [`Head::logits`] of the last R rows.
 #[allow(clippy::too_many_arguments)]
-pub fn forward_layers(
+pub fn forward_layers<E: Elem>(
     x: &mut [f32],
     layers: &[Weights<'_>],
     s: &Shape,
     cos: &[f32],
     sin: &[f32],
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
+    k_cache: &mut [E],
+    v_cache: &mut [E],
     feature_layers: &[usize],
     features: &mut [f32],
     head: Option<(&Head<'_>, &mut [f32])>,
@@ -264,14 +268,14 @@ pub fn forward_layers(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn check(
+fn check<E>(
     x: &[f32],
     w: &Weights<'_>,
     s: &Shape,
     cos: &[f32],
     sin: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
 ) -> Result<()> {
     let dim = w.attn_norm.len();
     let (h, hkv, hd) = (s.heads, s.kv_heads, s.head_dim);

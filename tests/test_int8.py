@@ -272,3 +272,39 @@ def test_the_core_head_is_the_final_norm_and_the_output_product():
     good = np.zeros((1, c.vocab_size), np.float32)
     stack.forward(x, cos, sin, k, v, 0, logits=good)
     assert k.any() and np.isfinite(good).all() and good.any()
+
+
+def test_a_core_decoder_caches_in_float16():
+    """int8 and q4 models decode over a float16 cache (float models keep their dtype): the core
+    writes each key and value rounded once (layer 0's keys, whose input is the embedding alone,
+    are the float32 cache's rounded) and the pass differs from one over a float32 cache (the
+    rounding is real). The two caches must share a dtype, float32 or float16. Passes over the
+    float16 cache equal one-token passes bit for bit (test_a_verify_pass_equals_...)."""
+    assert tiny_model().decoder(8).cache.k.dtype == torch.float32
+    for kind in ("int8", "q4"):
+        model = tiny_model().quantize_int8(kind)
+        assert model.kv_dtype == torch.float16 and "kv_dtype=torch.float16" in repr(model)
+        assert model.decoder(8).cache.k.dtype == torch.float16
+
+    model = tiny_model().quantize_int8("q4")
+    stack = model._int8_stack(model.packed_weights())
+    c = model.config
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5))
+    x0 = model.embed(ids).detach().float().numpy()
+    cos, sin = (t[:40].contiguous().numpy() for t in model.rope(40))
+    shape = (c.n_layers, c.n_kv_heads, 48, c.head_dim)
+    out = {}
+    for dtype in (np.float16, np.float32):
+        x, k, v = x0.copy(), np.zeros(shape, dtype), np.zeros(shape, dtype)
+        stack.forward(x, cos, sin, k, v, 0)
+        out[dtype] = x, k
+    np.testing.assert_array_equal(out[np.float16][1][0], out[np.float32][1][0].astype(np.float16))
+    assert not np.array_equal(out[np.float16][0], out[np.float32][0])
+
+    x = x0[:1].copy()
+    for k, v in (
+        (np.zeros(shape, np.float32), np.zeros(shape, np.float16)),
+        (np.zeros(shape, np.float64), np.zeros(shape, np.float64)),
+    ):
+        with pytest.raises(TypeError, match="both be float32 or both float16"):
+            stack.forward(x, cos[:1], sin[:1], k, v, 0)

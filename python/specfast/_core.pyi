@@ -87,6 +87,7 @@ class Q4Matrix:
 def int8_kernel() -> str: ...
 
 _Float32 = npt.NDArray[np.float32]
+_Float16 = npt.NDArray[np.float16]
 _LayerWeights = tuple[
     _Float32, Int8Matrix | Q4Matrix, _Float32 | None, Int8Matrix | Q4Matrix, _Float32,
     Int8Matrix | Q4Matrix, Int8Matrix | Q4Matrix,
@@ -111,8 +112,8 @@ class Int8Layers:
         x: _Float32,
         cos: _Float32,
         sin: _Float32,
-        k_cache: _Float32,
-        v_cache: _Float32,
+        k_cache: _Float32 | _Float16,
+        v_cache: _Float32 | _Float16,
         pos: int,
         feature_layers: Sequence[int] = ...,
         features: _Float32 | None = None,

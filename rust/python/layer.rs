@@ -1,20 +1,22 @@
 //! Bindings for `crate::layer`: a model's int8 or 4-bit layers over numpy float32 arrays (the
 //! model's torch tensors and cache, shared without copies), run with the interpreter released.
 
+use half::f16;
 use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyReadwriteArray3, PyReadwriteArray4,
-    PyUntypedArrayMethods,
+    Element, PyArray4, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2,
+    PyReadwriteArray3, PyReadwriteArray4, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::int8::PyInt8Matrix;
 use super::q4::PyQ4Matrix;
+use crate::attention::Elem;
 use crate::int8::Product;
 use crate::layer::{self, Head, Shape, Weights};
 
 fn contiguous_error(name: &str) -> PyErr {
-    PyValueError::new_err(format!("{name} must be a C-contiguous float32 array"))
+    PyValueError::new_err(format!("{name} must be a C-contiguous array"))
 }
 
 macro_rules! slice {
@@ -152,24 +154,77 @@ impl PyInt8Layers {
     }
 
     /// x (T, dim) <- every layer applied in turn, in place; writes the T new keys and values
-    /// into k_cache, v_cache (L, Hkv, S, hd) at pos. cos, sin: (T, hd). features (n, T, dim), if
-    /// given, gets the residual stream entering each of feature_layers; logits (R, V), if given,
-    /// the head's logits for the last R rows. Each row is computed on its own.
+    /// into k_cache, v_cache (L, Hkv, S, hd), both float32 or both float16, at pos. cos, sin:
+    /// (T, hd). features (n, T, dim), if given, gets the residual stream entering each of
+    /// feature_layers; logits (R, V), if given, the head's logits for the last R rows. Each row
+    /// is computed on its own.
     #[pyo3(signature = (x, cos, sin, k_cache, v_cache, pos, feature_layers=Vec::new(), features=None, logits=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         py: Python<'_>,
-        mut x: PyReadwriteArray2<'_, f32>,
+        x: PyReadwriteArray2<'_, f32>,
         cos: PyReadonlyArray2<'_, f32>,
         sin: PyReadonlyArray2<'_, f32>,
-        mut k_cache: PyReadwriteArray4<'_, f32>,
-        mut v_cache: PyReadwriteArray4<'_, f32>,
+        k_cache: &Bound<'_, PyAny>,
+        v_cache: &Bound<'_, PyAny>,
         pos: usize,
         feature_layers: Vec<usize>,
-        mut features: Option<PyReadwriteArray3<'_, f32>>,
-        mut logits: Option<PyReadwriteArray2<'_, f32>>,
+        features: Option<PyReadwriteArray3<'_, f32>>,
+        logits: Option<PyReadwriteArray2<'_, f32>>,
     ) -> PyResult<()> {
+        let args = (x, cos, sin, pos, feature_layers, features, logits);
+        if let Some((k, v)) = caches::<f32>(k_cache, v_cache)? {
+            return self.run(py, k, v, args);
+        }
+        if let Some((k, v)) = caches::<f16>(k_cache, v_cache)? {
+            return self.run(py, k, v, args);
+        }
+        Err(PyTypeError::new_err(
+            "k_cache and v_cache must both be float32 or both float16 numpy arrays (L, Hkv, S, hd)",
+        ))
+    }
+
+    fn __len__(&self) -> usize {
+        self.layers.len()
+    }
+}
+
+type PassArgs<'py> = (
+    PyReadwriteArray2<'py, f32>,
+    PyReadonlyArray2<'py, f32>,
+    PyReadonlyArray2<'py, f32>,
+    usize,
+    Vec<usize>,
+    Option<PyReadwriteArray3<'py, f32>>,
+    Option<PyReadwriteArray2<'py, f32>>,
+);
+
+/// The two caches as writable arrays of E, or None if either holds another dtype.
+#[allow(clippy::type_complexity)]
+fn caches<'py, E: Element>(
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+) -> PyResult<Option<(PyReadwriteArray4<'py, E>, PyReadwriteArray4<'py, E>)>> {
+    let (Ok(k), Ok(v)) = (k.cast::<PyArray4<E>>(), v.cast::<PyArray4<E>>()) else {
+        return Ok(None);
+    };
+    let busy = |_| PyValueError::new_err("k_cache and v_cache must be two distinct arrays");
+    Ok(Some((
+        k.try_readwrite().map_err(busy)?,
+        v.try_readwrite().map_err(busy)?,
+    )))
+}
+
+impl PyInt8Layers {
+    fn run<E: Element + Elem>(
+        &self,
+        py: Python<'_>,
+        mut k_cache: PyReadwriteArray4<'_, E>,
+        mut v_cache: PyReadwriteArray4<'_, E>,
+        args: PassArgs<'_>,
+    ) -> PyResult<()> {
+        let (mut x, cos, sin, pos, feature_layers, mut features, mut logits) = args;
         let ks = k_cache.shape().to_vec();
         if v_cache.shape() != ks.as_slice() {
             return Err(PyValueError::new_err(format!(
@@ -226,10 +281,6 @@ impl PyInt8Layers {
             )
         })?;
         Ok(())
-    }
-
-    fn __len__(&self) -> usize {
-        self.layers.len()
     }
 }
 

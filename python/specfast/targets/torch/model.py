@@ -175,6 +175,11 @@ def linear(x, weight, packed=None, bias=None):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Caches an int8 or q4 model's passes run in the core over (rust/attention.rs): float16 halves
+# what a pass reads at long context (after 2000 tokens SmolLM2's float32 keys and values are
+# 92 MB a pass, as much as its q4 weights); each value is rounded once, when written.
+CORE_CACHE_DTYPES = (torch.float16, torch.float32)
+
 # Keys a row attends over are padded to a multiple of this (masked), so that a row sees the
 # same key length in a verify pass as in a one-token pass at its position.
 KEY_BUCKET = 64
@@ -339,7 +344,10 @@ class Model(nn.Module):
     def extra_repr(self) -> str:
         step = "compiled" if self.compiled_step is not None else "eager"
         weights = f"{self.weight_kind} ({int8_kernel()})" if self.int8 else "float"
-        return f"dtype={self.dtype}, weights={weights}, device={self.device}, step={step}"
+        return (
+            f"dtype={self.dtype}, weights={weights}, kv_dtype={self.kv_dtype}, "
+            f"device={self.device}, step={step}"
+        )
 
     @property
     def weights(self) -> str:
@@ -350,6 +358,14 @@ class Model(nn.Module):
     def int8(self) -> bool:
         """True once the matrices run in the core with int8 activations (int8 or q4 weights)."""
         return self.weight_kind != "float"
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of a decoder's KV cache: float16 where the passes run in the core (int8 or
+        q4 weights, float32 activations, CPU), the model's dtype elsewhere."""
+        if self.int8 and self.dtype == torch.float32 and self.device.type == "cpu":
+            return torch.float16
+        return self.dtype
 
     def compile_steps(
         self,
@@ -617,7 +633,7 @@ class Model(nn.Module):
         # of a row as a one-row pass would. In float32 on CPU the whole pass, head included, is
         # one call into the core (rust/layer.rs); in other dtypes torch computes attention row
         # by row.
-        if self.int8 and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu":
+        if self.int8 and cache.k.dtype in CORE_CACHE_DTYPES and cache.k.device.type == "cpu":
             rows = 1 if last_only else T
             logits = None if head is not None else torch.empty(rows, self.vocab_size)
             x = self._int8_layers(self.embed(ids), cos, sin, packed, aux, cache, pos, logits)
@@ -778,7 +794,7 @@ class Decoder:
             model._restore_plain()  # a compiled step reads the plain weights, not the packed
         if self.step is None:
             self.cache = KVCache(
-                c.n_layers, c.n_kv_heads, max_length, c.head_dim, model.device, model.dtype
+                c.n_layers, c.n_kv_heads, max_length, c.head_dim, model.device, model.kv_dtype
             )
             model.rope(max_length)
         else:
