@@ -113,12 +113,8 @@ fn forward<E: Elem>(
         for j in 0..hkv {
             let at = (j * s.capacity + slot) * hd;
             let (k0, v0) = ((h + j) * hd, (h + hkv + j) * hd);
-            for (c, &x) in k_cache[at..at + hd].iter_mut().zip(&row[k0..k0 + hd]) {
-                *c = E::from_f32(x);
-            }
-            for (c, &x) in v_cache[at..at + hd].iter_mut().zip(&row[v0..v0 + hd]) {
-                *c = E::from_f32(x);
-            }
+            store(&mut k_cache[at..at + hd], &row[k0..k0 + hd])?;
+            store(&mut v_cache[at..at + hd], &row[v0..v0 + hd])?;
         }
     }
     let d = Dims {
@@ -200,6 +196,20 @@ impl Head<'_> {
         }
         Ok(())
     }
+}
+
+/// dst <- src in the cache's type. A finite value that the type cannot hold (beyond float16's
+/// ±65504) is an error, not an infinity that would make its rows NaN.
+fn store<E: Elem>(dst: &mut [E], src: &[f32]) -> Result<()> {
+    for (c, &x) in dst.iter_mut().zip(src) {
+        *c = E::from_f32(x);
+        if E::HALF && c.to_f32().is_infinite() && x.is_finite() {
+            return Err(Error::value(format!(
+                "a key or value ({x}) is beyond the float16 cache's range: use a float32 cache (Model.kv_dtype)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// x (T, dim) <- every layer of `layers` applied in turn: `forward` for layer l over its cache
@@ -369,6 +379,7 @@ mod tests {
     use super::*;
     use crate::int8::Int8Matrix;
     use crate::q4::Q4Matrix;
+    use half::f16;
 
     /// One layer through the checked entry point; rope is [cos, sin], kv the layer's cache.
     fn one_layer(
@@ -680,6 +691,30 @@ mod tests {
         assert!(raw.iter().zip(&all).any(|(a, b)| (a - b).abs() > 1e-2));
         assert!(h.logits(&x, &mut vec![0.0; 4 * VOCAB]).is_err());
         assert!(h.logits(&x, &mut [0.0; VOCAB + 1]).is_err());
+    }
+
+    /// A float16 cache takes what it can hold and refuses, with an error, a key beyond its range
+    /// (the same pass over a float32 cache runs).
+    #[test]
+    fn a_key_beyond_float16_is_an_error() {
+        let n = 2 * 40 * 12;
+        let c = vec![1.0; 12];
+        let mut l = layer(false);
+        let mut x = values(DIM, 7, 2.0);
+        let (mut k, mut v) = (vec![f16::ZERO; n], vec![f16::ZERO; n]);
+        let pass = |l: &Layer, x: &mut [f32], k: &mut [f16], v: &mut [f16]| {
+            forward_layers(x, &[l.weights()], &SHAPE, &c, &c, k, v, &[], &mut [], None)
+        };
+        pass(&l, &mut x, &mut k, &mut v).unwrap();
+        assert!(k.iter().any(|h| h.to_f32() != 0.0));
+        l.attn_norm.iter_mut().for_each(|w| *w *= 1e6);
+        let mut x = values(DIM, 7, 2.0);
+        let err = pass(&l, &mut x, &mut k, &mut v).unwrap_err();
+        assert!(err.to_string().contains("float16"), "{err}");
+        let mut x = values(DIM, 7, 2.0);
+        let (mut k, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+        one_layer(&mut x, &l.weights(), &SHAPE, [&c, &c], (&mut k, &mut v)).unwrap();
+        assert!(k.iter().any(|x| x.abs() > 65504.0));
     }
 
     #[test]

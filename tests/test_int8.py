@@ -285,6 +285,12 @@ def test_a_core_decoder_caches_in_float16():
         model = tiny_model().quantize_int8(kind)
         assert model.kv_dtype == torch.float16 and "kv_dtype=torch.float16" in repr(model)
         assert model.decoder(8).cache.k.dtype == torch.float16
+        model.kv_dtype = torch.float32  # full precision, asked for
+        assert model.decoder(8).cache.k.dtype == torch.float32
+        model.kv_dtype = None
+        assert model.decoder(8).cache.k.dtype == torch.float16
+        with pytest.raises(ValueError, match="kv_dtype must be"):
+            model.kv_dtype = torch.bfloat16
 
     model = tiny_model().quantize_int8("q4")
     stack = model._int8_stack(model.packed_weights())

@@ -332,6 +332,7 @@ class Model(nn.Module):
         self._stack: tuple = (None, None)  # (packing, its Int8Layers): see _int8_stack
         self.prepack = True
         self.weight_kind = "float"  # "int8" or "q4" after quantize_int8
+        self._kv_dtype: torch.dtype | None = None  # kv_dtype's choice; None: by weights
         # The file's layer matrices were 4-bit (a Q4 GGUF): weights="auto" may pick q4.
         self.file_is_4bit = False
         self.compiled_step = None  # torch.compile'd forward_static (steps.compile_step)
@@ -362,10 +363,21 @@ class Model(nn.Module):
     @property
     def kv_dtype(self) -> torch.dtype:
         """The dtype of a decoder's KV cache: float16 where the passes run in the core (int8 or
-        q4 weights, float32 activations, CPU), the model's dtype elsewhere."""
-        if self.int8 and self.dtype == torch.float32 and self.device.type == "cpu":
-            return torch.float16
-        return self.dtype
+        q4 weights, float32 activations, CPU), the model's dtype elsewhere. Set it to
+        torch.float32 for a core cache of full precision (twice the bytes a pass reads), or to
+        None for the default; new decoders take it."""
+        core = self.int8 and self.dtype == torch.float32 and self.device.type == "cpu"
+        if not core:
+            return self.dtype
+        return torch.float16 if self._kv_dtype is None else self._kv_dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, dtype: torch.dtype | None) -> None:
+        if dtype not in (*CORE_CACHE_DTYPES, None):
+            raise ValueError(
+                f"kv_dtype must be torch.float16, torch.float32 or None, got {dtype!r}"
+            )
+        self._kv_dtype = dtype
 
     def compile_steps(
         self,
