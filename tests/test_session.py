@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 import specfast
 from specfast.session import Session
@@ -57,6 +58,23 @@ def test_session_greedy_equals_generate_on_the_full_history(drafter, k):
         accepted += out.stats.accepted_tokens
     assert len(s.history) == 5
     assert (accepted > 0) == (drafter is not None)
+
+
+def test_a_q4_session_over_its_float16_cache_equals_generate_and_forks():
+    """A 4-bit model keeps a float16 cache across turns and forks: each turn is generate() over
+    the whole history (whose prefill rounds the same keys the same way)."""
+    model = tiny().quantize_int8("q4")
+    s = Session(model, drafter="ngram", max_new_tokens=16, ignore_eos=True)
+    msgs = messages(4, seed=8)
+    for msg in msgs[:2]:
+        out = s.send(msg)
+        assert out.token_ids == plain(model, context_of(s, out), 16, ignore_eos=True)
+    assert s._decoder.cache.k.dtype == torch.float16
+    f = s.fork()
+    a, b = s.send(msgs[2]), f.send(msgs[3])
+    assert a.token_ids == plain(model, context_of(s, a), 16, ignore_eos=True)
+    assert b.token_ids == plain(model, context_of(f, b), 16, ignore_eos=True)
+    assert b.stats.reused_tokens > 0
 
 
 def test_session_greedy_equals_generate_after_rewind_and_reset():
