@@ -416,8 +416,12 @@ def test_bench_end_to_end_all_engines_tiny_model(tiny_model_dir, tmp_path, capsy
     assert (out / "speedup.png").exists() and (out / "sweep_k.png").exists()
     # specfast-ngram ran auto k on the torch runtime, which timed its passes there.
     assert "pass cost on specfast, as auto k measured it: t(1) = " in stdout
-    costs = json.loads((out / "results.json").read_text())["meta"]["pass_costs_ms"]
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    costs = meta["pass_costs_ms"]
     assert list(costs) == ["specfast"] and costs["specfast"]["1"] > 0
+    # The cache the specfast engines ran over: the model's own dtype for float weights.
+    want = meta["specfast_dtype"] if meta["weights"] == "float" else "float16"
+    assert meta["kv_dtype"] == want, meta
 
 
 @needs_runtime

@@ -732,6 +732,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         "dtype_requested": requested_dtype,
         "specfast_dtype": str(getattr(sf_model, "dtype", "")).removeprefix("torch.") or None,
         "weights": getattr(sf_model, "weights", None),
+        "kv_dtype": str(getattr(sf_model, "kv_dtype", "")).removeprefix("torch.") or None,
         "compile": args.compile,
         "step": "compiled" if getattr(sf_model, "compiled_step", None) is not None else "eager",
         **peak_memory(args.device),
