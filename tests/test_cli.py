@@ -93,6 +93,16 @@ def test_argument_errors_are_clear(argv, message, capsys):
     assert message in err
 
 
+def test_the_runtime_header_names_the_weights_and_a_float16_cache():
+    from specfast import Model, ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2)
+    model = Model.from_config(cfg, seed=0)
+    assert "KV cache" not in cli.runtime_header(model, "cpu")
+    line = cli.runtime_header(model.quantize_int8("q4"), "cpu")
+    assert line.startswith("specfast: float32, q4 weights, float16 KV cache, eager steps"), line
+
+
 def test_missing_model_package_says_how_to_install(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(

@@ -395,13 +395,16 @@ def load_args_model(args, model_path):
 
 
 def runtime_header(model, device: str) -> str:
-    """One line naming what runs: dtype chosen, step kind and the CPU flags behind the choice."""
+    """One line naming what runs: dtype chosen, weights, the KV cache's dtype where it is not the
+    model's, step kind and the CPU flags behind the choice."""
     step = "compiled" if getattr(model, "compiled_step", None) is not None else "eager"
     where = device if device != "cpu" else f"cpu ({cpu_flags_label()})"
     weights = getattr(model, "weights", "float")
     weights = f"int8 weights ({int8_kernel()})" if weights == "int8" else f"{weights} weights"
     dtype = str(model.dtype).removeprefix("torch.")
-    return f"specfast: {dtype}, {weights}, {step} steps, on {where}"
+    kv = getattr(model, "kv_dtype", model.dtype)
+    cache = "" if kv == model.dtype else f", {str(kv).removeprefix('torch.')} KV cache"
+    return f"specfast: {dtype}, {weights}{cache}, {step} steps, on {where}"
 
 
 # ---------------------------------------------------------------------------- generate
