@@ -818,6 +818,7 @@ unsafe fn bundle<V: Lanes, E: Elem>(
 #[inline(always)]
 unsafe fn tile<'a, V: Lanes, E: Elem>(src: &'a [E], wide: &'a mut Vec<f32>) -> &'a [f32] {
     if !E::HALF {
+        // Elem is sealed to f32 and f16, so a cache that is not HALF is f32.
         return std::slice::from_raw_parts(src.as_ptr().cast::<f32>(), src.len());
     }
     wide.resize(src.len(), 0.0);
