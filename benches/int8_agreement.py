@@ -22,7 +22,6 @@ import torch
 
 import specfast
 from specfast.bench.workloads import PLAYS, speeches
-from specfast.targets.torch.kv_cache import KVCache
 
 
 def texts() -> dict[str, str]:
@@ -60,13 +59,9 @@ def agreement(path, tokens: int) -> dict:
         want = f32.decoder(len(ids)).forward(ids).argmax(-1)
         row = {"positions": len(ids)}
         for name, (m, cache_dtype) in others.items():
-            dec = m.decoder(len(ids))
-            if cache_dtype is not None:
-                c = m.config
-                dec.cache = KVCache(
-                    c.n_layers, c.n_kv_heads, len(ids), c.head_dim, m.device, cache_dtype
-                )
-            got = dec.forward(ids).argmax(-1)
+            if m.int8:
+                m.kv_dtype = cache_dtype  # None: the default, float16
+            got = m.decoder(len(ids)).forward(ids).argmax(-1)
             row[name] = (got == want).float().mean().item()
         result[kind] = row
         print(

@@ -242,20 +242,10 @@ impl Elem for f16 {
 }
 
 mod sealed {
-    /// f32 and f16 only: `tile` reads a non-HALF cache as f32.
+    /// f32 and f16 only: `widen` reads a cache that is not HALF as f32.
     pub trait Sealed {}
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
-}
-
-/// The 16 cache values at `p`, as f32 lanes.
-#[inline(always)]
-unsafe fn load<V: Lanes, E: Elem>(p: *const E) -> V {
-    if E::HALF {
-        V::load_half(p.cast())
-    } else {
-        V::load(p.cast())
-    }
 }
 
 /// One lane of [`Lanes::exp`]: e^x within about 2 ulp for x in [-87.3, 88], 0 below, and
@@ -605,12 +595,12 @@ mod x86 {
 
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
     pub(super) unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-        super::dot::<Avx512, f32>(a, b)
+        super::dot::<Avx512>(a, b)
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-        super::dot::<Avx2, f32>(a, b)
+        super::dot::<Avx2>(a, b)
     }
 
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
@@ -618,7 +608,7 @@ mod x86 {
         super::silu_mul_lanes::<Avx512>(gate, up, out);
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn silu_mul_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
         super::silu_mul_lanes::<Avx2>(gate, up, out);
     }
@@ -648,7 +638,7 @@ pub fn dot_product(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: as above.
         Path::Avx2 => unsafe { x86::dot_avx2(a, b) },
         // SAFETY: the portable build needs no CPU feature.
-        _ => unsafe { dot::<Portable, f32>(a, b) },
+        _ => unsafe { dot::<Portable>(a, b) },
     }
 }
 
@@ -775,11 +765,11 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     let scores = &mut buf[..m * width];
     let qs = &q[first * hd..(first + m) * hd];
     let mut wide = Vec::new(); // a tile of a float16 cache, in f32
+    let mut ends = Vec::with_capacity(m); // per item, where its keys in the tile end
     for j0 in (0..most).step_by(TILE_KEYS) {
-        let ends: Vec<usize> = (0..m)
-            .map(|i| keys(i).min(j0 + TILE_KEYS).max(j0))
-            .collect();
-        let kt = tile::<V, E>(&kh[j0 * hd..most.min(j0 + TILE_KEYS) * hd], &mut wide);
+        ends.clear();
+        ends.extend((0..m).map(|i| keys(i).min(j0 + TILE_KEYS).max(j0)));
+        let kt = widen::<V, E>(&kh[j0 * hd..most.min(j0 + TILE_KEYS) * hd], &mut wide);
         score_tile::<V>(qs, kt, scale, &ends, j0, scores, width);
     }
     let mut totals = vec![None; m];
@@ -791,13 +781,12 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     let mut chains = vec![0.0f32; m * 2 * hd];
     for j0 in (0..most).step_by(TILE_KEYS) {
         // Items with no keys left in this tile, or no weights (NaN rows), end here.
-        let ends: Vec<usize> = (0..m)
-            .map(|i| match totals[i] {
-                Some(_) => keys(i).min(j0 + TILE_KEYS).max(j0),
-                None => j0,
-            })
-            .collect();
-        let vt = tile::<V, E>(&vh[j0 * hd..most.min(j0 + TILE_KEYS) * hd], &mut wide);
+        ends.clear();
+        ends.extend((0..m).map(|i| match totals[i] {
+            Some(_) => keys(i).min(j0 + TILE_KEYS).max(j0),
+            None => j0,
+        }));
+        let vt = widen::<V, E>(&vh[j0 * hd..most.min(j0 + TILE_KEYS) * hd], &mut wide);
         value_tile::<V>(scores, width, vt, hd, &ends, j0, &mut chains);
     }
     for (i, o) in out.chunks_exact_mut(hd).enumerate() {
@@ -812,19 +801,19 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     }
 }
 
-/// A tile of cache values as f32: itself, or for float16 converted into `wide` once for all
-/// the items of a bundle (each f16 is an f32 exactly, so the bits are those of a float32
-/// cache holding the same values).
+/// Cache values as f32: themselves, or for float16 converted into `wide` (a tile, once for all
+/// the items of a bundle). Each f16 is an f32 exactly, so the bits are those of a float32 cache
+/// holding the same values, and everything past here reads f32.
 #[inline(always)]
-unsafe fn tile<'a, V: Lanes, E: Elem>(src: &'a [E], wide: &'a mut Vec<f32>) -> &'a [f32] {
+unsafe fn widen<'a, V: Lanes, E: Elem>(src: &'a [E], wide: &'a mut Vec<f32>) -> &'a [f32] {
     if !E::HALF {
         // Elem is sealed to f32 and f16, so a cache that is not HALF is f32.
         return std::slice::from_raw_parts(src.as_ptr().cast::<f32>(), src.len());
     }
     wide.resize(src.len(), 0.0);
-    let whole = src.len() / LANES * LANES;
+    let (from, whole) = (src.as_ptr().cast::<f16>(), src.len() / LANES * LANES);
     for c in (0..whole).step_by(LANES) {
-        load::<V, E>(src.as_ptr().add(c)).store(wide.as_mut_ptr().add(c));
+        V::load_half(from.add(c)).store(wide.as_mut_ptr().add(c));
     }
     for (w, &x) in wide[whole..].iter_mut().zip(&src[whole..]) {
         *w = x.to_f32();
@@ -833,8 +822,8 @@ unsafe fn tile<'a, V: Lanes, E: Elem>(src: &'a [E], wide: &'a mut Vec<f32>) -> &
 }
 
 /// Scores of a bundle's items (queries `qs`, hd each) over the keys `j0..ends[i]` of a tile
-/// (`kt`, from key j0), into row i of `scores`. Two items over the same keys go together and share each key loaded
-/// (`key_lanes_two`); each score is still `dot`'s.
+/// (`kt`, from key j0), into row i of `scores`. Two items over the same keys go together and
+/// share each key loaded (`key_lanes_two`); each score is still `dot`'s.
 #[inline(always)]
 unsafe fn score_tile<V: Lanes>(
     qs: &[f32],
@@ -865,7 +854,7 @@ unsafe fn score_tile<V: Lanes>(
         let n = 1 + usize::from(two);
         for r in i..i + n {
             if j < e {
-                dots::<V, f32>(
+                dots::<V>(
                     qrow(r),
                     &kt[(j - j0) * hd..(e - j0) * hd],
                     scale,
@@ -879,8 +868,8 @@ unsafe fn score_tile<V: Lanes>(
 
 /// Continues the even and odd chains of a bundle's items (`chains`: per item, even then odd,
 /// hd each) over keys `j0..ends[i]` of a tile (`vt`, from key j0), item i's weights in row i
-/// of `scores`. Up to
-/// ITEMS_PER_LOAD items over the same keys go together and share each value loaded.
+/// of `scores`. Up to ITEMS_PER_LOAD items over the same keys go together and share each value
+/// loaded.
 #[inline(always)]
 unsafe fn value_tile<V: Lanes>(
     scores: &[f32],
@@ -1021,21 +1010,22 @@ unsafe fn items_one_by_one<V: Lanes, E: Elem>(
     let width = (d.pos + d.rows).next_multiple_of(LANES);
     let mut scores = vec![0.0f32; width];
     let mut acc = vec![0.0f32; hd.next_multiple_of(LANES)];
+    let (mut wide_k, mut wide_v) = (Vec::new(), Vec::new());
     for (n, o) in out.chunks_exact_mut(hd).enumerate() {
         let item = first + n;
         let (h, t) = (item / d.rows, item % d.rows);
         let kv = h / group;
         let keys = d.pos + t + 1;
         let qrow = &q[item * hd..(item + 1) * hd];
-        let kh = &k[kv * head_len..kv * head_len + keys * hd];
-        let vh = &v[kv * head_len..kv * head_len + keys * hd];
+        let kh = widen::<V, E>(&k[kv * head_len..kv * head_len + keys * hd], &mut wide_k);
+        let vh = widen::<V, E>(&v[kv * head_len..kv * head_len + keys * hd], &mut wide_v);
         let padded = &mut scores[..keys.next_multiple_of(LANES)];
-        dots::<V, E>(qrow, kh, scale, &mut padded[..keys]);
+        dots::<V>(qrow, kh, scale, &mut padded[..keys]);
         let Some(total) = softmax_weights::<V>(padded, keys) else {
             o.fill(f32::NAN);
             continue;
         };
-        weighted_sum::<V, E>(&padded[..keys], vh, hd, &mut acc);
+        weighted_sum::<V>(&padded[..keys], vh, hd, &mut acc);
         for (y, &a) in o.iter_mut().zip(&acc[..hd]) {
             *y = a / total;
         }
@@ -1045,23 +1035,17 @@ unsafe fn items_one_by_one<V: Lanes, E: Elem>(
 /// One key's q · k: lanes of fused multiply-adds over the head (tails of a head size that is
 /// not a multiple of LANES go in lanes 0..), then the tree.
 #[inline(always)]
-unsafe fn dot<V: Lanes, E: Elem>(q: &[f32], kj: &[E]) -> f32 {
+unsafe fn dot<V: Lanes>(q: &[f32], kj: &[f32]) -> f32 {
     let whole = q.len() / LANES * LANES;
     let mut acc = V::zero();
     for c in (0..whole).step_by(LANES) {
-        acc = V::fma(
-            V::load(q.as_ptr().add(c)),
-            load::<V, E>(kj.as_ptr().add(c)),
-            acc,
-        );
+        acc = V::fma(V::load(q.as_ptr().add(c)), V::load(kj.as_ptr().add(c)), acc);
     }
     if whole < q.len() {
         let mut tq = [0.0f32; LANES];
         let mut tk = [0.0f32; LANES];
         tq[..q.len() - whole].copy_from_slice(&q[whole..]);
-        for (t, &x) in tk.iter_mut().zip(&kj[whole..]) {
-            *t = x.to_f32();
-        }
+        tk[..q.len() - whole].copy_from_slice(&kj[whole..]);
         acc = V::fma(V::load(tq.as_ptr()), V::load(tk.as_ptr()), acc);
     }
     acc.sum()
@@ -1070,17 +1054,17 @@ unsafe fn dot<V: Lanes, E: Elem>(q: &[f32], kj: &[E]) -> f32 {
 /// scores[j] = q · k_j · scale, where the head is whole lanes 16 keys at a time on 32-register
 /// builds and then four at a time, so that several sums are in flight (each is still `dot`'s).
 #[inline(always)]
-unsafe fn dots<V: Lanes, E: Elem>(q: &[f32], kh: &[E], scale: f32, scores: &mut [f32]) {
+unsafe fn dots<V: Lanes>(q: &[f32], kh: &[f32], scale: f32, scores: &mut [f32]) {
     let hd = q.len();
     let mut j = 0;
     if hd.is_multiple_of(LANES) {
         while V::WIDE && j + 16 <= scores.len() {
-            let acc = key_lanes::<V, E, 16>(q, kh.as_ptr().add(j * hd));
+            let acc = key_lanes::<V, 16>(q, kh.as_ptr().add(j * hd));
             V::sums_scaled(&acc, scale, scores.as_mut_ptr().add(j));
             j += 16;
         }
         while j + 4 <= scores.len() {
-            let acc = key_lanes::<V, E, 4>(q, kh.as_ptr().add(j * hd));
+            let acc = key_lanes::<V, 4>(q, kh.as_ptr().add(j * hd));
             for (i, a) in acc.iter().enumerate() {
                 scores[j + i] = a.sum() * scale;
             }
@@ -1088,20 +1072,20 @@ unsafe fn dots<V: Lanes, E: Elem>(q: &[f32], kh: &[E], scale: f32, scores: &mut 
         }
     }
     while j < scores.len() {
-        scores[j] = dot::<V, E>(q, &kh[j * hd..(j + 1) * hd]) * scale;
+        scores[j] = dot::<V>(q, &kh[j * hd..(j + 1) * hd]) * scale;
         j += 1;
     }
 }
 
 /// `dot`'s lanes for the K keys at `kp` (a head of whole lanes), before their trees.
 #[inline(always)]
-unsafe fn key_lanes<V: Lanes, E: Elem, const K: usize>(q: &[f32], kp: *const E) -> [V; K] {
+unsafe fn key_lanes<V: Lanes, const K: usize>(q: &[f32], kp: *const f32) -> [V; K] {
     let hd = q.len();
     let mut acc = [V::zero(); K];
     for c in (0..hd).step_by(LANES) {
         let qc = V::load(q.as_ptr().add(c));
         for (i, a) in acc.iter_mut().enumerate() {
-            *a = V::fma(qc, load::<V, E>(kp.add(i * hd + c)), *a);
+            *a = V::fma(qc, V::load(kp.add(i * hd + c)), *a);
         }
     }
     acc
@@ -1162,45 +1146,43 @@ unsafe fn softmax_weights<V: Lanes>(padded: &mut [f32], keys: usize) -> Option<f
 /// lane-groups go at once (two on 16-register builds), so that eight chains are in flight. How
 /// many go at once does not change a lane's sums.
 #[inline(always)]
-unsafe fn weighted_sum<V: Lanes, E: Elem>(p: &[f32], vh: &[E], hd: usize, acc: &mut [f32]) {
+unsafe fn weighted_sum<V: Lanes>(p: &[f32], vh: &[f32], hd: usize, acc: &mut [f32]) {
     let chunks = acc.len() / LANES;
     let mut c = 0;
     if V::WIDE {
         while c + 4 <= chunks {
-            lane_groups::<V, E, 4>(p, vh, hd, c, acc);
+            lane_groups::<V, 4>(p, vh, hd, c, acc);
             c += 4;
         }
     }
     while c + 2 <= chunks {
-        lane_groups::<V, E, 2>(p, vh, hd, c, acc);
+        lane_groups::<V, 2>(p, vh, hd, c, acc);
         c += 2;
     }
     while c < chunks {
-        lane_groups::<V, E, 1>(p, vh, hd, c, acc);
+        lane_groups::<V, 1>(p, vh, hd, c, acc);
         c += 1;
     }
 }
 
 /// Lanes c of key j's values (vh: (keys, hd)); past the end of the head, zeros.
 #[inline(always)]
-unsafe fn head_lanes<V: Lanes, E: Elem>(vh: &[E], hd: usize, j: usize, c: usize) -> V {
+unsafe fn head_lanes<V: Lanes>(vh: &[f32], hd: usize, j: usize, c: usize) -> V {
     let at = c * LANES;
     if hd.is_multiple_of(LANES) || at + LANES <= hd {
-        load::<V, E>(vh.as_ptr().add(j * hd + at))
+        V::load(vh.as_ptr().add(j * hd + at))
     } else {
         let mut tail = [0.0f32; LANES];
-        for (t, &x) in tail.iter_mut().zip(&vh[j * hd + at..(j + 1) * hd]) {
-            *t = x.to_f32();
-        }
+        tail[..hd - at].copy_from_slice(&vh[j * hd + at..(j + 1) * hd]);
         V::load(tail.as_ptr())
     }
 }
 
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // even[g], odd[g] and chunk c0 + g together
-unsafe fn lane_groups<V: Lanes, E: Elem, const G: usize>(
+unsafe fn lane_groups<V: Lanes, const G: usize>(
     p: &[f32],
-    vh: &[E],
+    vh: &[f32],
     hd: usize,
     c0: usize,
     acc: &mut [f32],
@@ -1211,15 +1193,15 @@ unsafe fn lane_groups<V: Lanes, E: Elem, const G: usize>(
     while j + 2 <= p.len() {
         let (p0, p1) = (V::splat(p[j]), V::splat(p[j + 1]));
         for g in 0..G {
-            even[g] = V::fma(p0, head_lanes::<V, E>(vh, hd, j, c0 + g), even[g]);
-            odd[g] = V::fma(p1, head_lanes::<V, E>(vh, hd, j + 1, c0 + g), odd[g]);
+            even[g] = V::fma(p0, head_lanes::<V>(vh, hd, j, c0 + g), even[g]);
+            odd[g] = V::fma(p1, head_lanes::<V>(vh, hd, j + 1, c0 + g), odd[g]);
         }
         j += 2;
     }
     if j < p.len() {
         let p0 = V::splat(p[j]);
         for g in 0..G {
-            even[g] = V::fma(p0, head_lanes::<V, E>(vh, hd, j, c0 + g), even[g]);
+            even[g] = V::fma(p0, head_lanes::<V>(vh, hd, j, c0 + g), even[g]);
         }
     }
     for g in 0..G {
@@ -1506,7 +1488,7 @@ mod tests {
                     }
                     _ => {
                         silu_mul_lanes::<Portable>(&g[..997], &b[..997], &mut out);
-                        dot::<Portable, f32>(&a[..997], &b[..997])
+                        dot::<Portable>(&a[..997], &b[..997])
                     }
                 }
             };
