@@ -215,6 +215,8 @@ pub trait Elem: sealed::Sealed + Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     /// Rounded to nearest, ties to even.
     fn from_f32(x: f32) -> Self;
+    /// dst[i] = from_f32(src[i]), a vector at a time where the CPU converts them (F16C).
+    fn from_f32_slice(dst: &mut [Self], src: &[f32]);
 }
 
 impl Elem for f32 {
@@ -227,6 +229,9 @@ impl Elem for f32 {
     fn from_f32(x: f32) -> f32 {
         x
     }
+    fn from_f32_slice(dst: &mut [f32], src: &[f32]) {
+        dst.copy_from_slice(src);
+    }
 }
 
 impl Elem for f16 {
@@ -238,6 +243,9 @@ impl Elem for f16 {
     #[inline(always)]
     fn from_f32(x: f32) -> f16 {
         f16::from_f32(x)
+    }
+    fn from_f32_slice(dst: &mut [f16], src: &[f32]) {
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
     }
 }
 

@@ -198,19 +198,25 @@ impl Head<'_> {
     }
 }
 
-/// dst <- src in the cache's type. A finite value that the type cannot hold (beyond float16's
-/// ±65504) is an error, not an infinity that would make its rows NaN.
+/// dst <- src in the cache's type. A finite value that the type cannot hold (float16 rounds
+/// ±65520 and beyond to infinity) is an error, not an infinity that would make its rows NaN.
 fn store<E: Elem>(dst: &mut [E], src: &[f32]) -> Result<()> {
-    for (c, &x) in dst.iter_mut().zip(src) {
-        *c = E::from_f32(x);
-        if E::HALF && c.to_f32().is_infinite() && x.is_finite() {
+    if E::HALF {
+        if let Some(x) = src
+            .iter()
+            .find(|x| x.is_finite() && x.abs() >= HALF_OVERFLOW)
+        {
             return Err(Error::value(format!(
                 "a key or value ({x}) is beyond the float16 cache's range: use a float32 cache (Model.kv_dtype)"
             )));
         }
     }
+    E::from_f32_slice(dst, src);
     Ok(())
 }
+
+/// The least f32 that float16 rounds to infinity: halfway from its largest, 65504, to 2^16.
+const HALF_OVERFLOW: f32 = 65520.0;
 
 /// x (T, dim) <- every layer of `layers` applied in turn: `forward` for layer l over its cache
 /// (k_cache, v_cache: (L, Hkv, S, hd), layer l's part at l·Hkv·S·hd). One call for a whole pass,
@@ -715,6 +721,26 @@ mod tests {
         let (mut k, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
         one_layer(&mut x, &l.weights(), &SHAPE, [&c, &c], (&mut k, &mut v)).unwrap();
         assert!(k.iter().any(|x| x.abs() > 65504.0));
+    }
+
+    #[test]
+    fn store_refuses_exactly_what_float16_rounds_to_infinity() {
+        let below = f32::from_bits(HALF_OVERFLOW.to_bits() - 1);
+        for x in [below, -below, 1.5, f32::INFINITY, f32::NAN] {
+            let mut dst = [f16::ZERO; 3];
+            store(&mut dst, &[x, 0.25, x]).unwrap();
+            let one = f16::from_f32(x);
+            assert!(dst[0].to_bits() == one.to_bits() && dst[2].to_bits() == one.to_bits());
+            assert!(x.is_finite() == dst[0].is_finite(), "{x}");
+        }
+        for x in [HALF_OVERFLOW, -HALF_OVERFLOW, 1e30] {
+            assert!(f16::from_f32(x).is_infinite());
+            assert!(store(&mut [f16::ZERO; 2], &[0.0, x]).is_err(), "{x}");
+        }
+        // A float32 cache holds them all.
+        let mut dst = [0.0f32; 2];
+        store(&mut dst, &[1e30, -HALF_OVERFLOW]).unwrap();
+        assert_eq!(dst.map(f32::to_bits), [1e30f32, -HALF_OVERFLOW].map(f32::to_bits));
     }
 
     #[test]
