@@ -221,22 +221,25 @@ fn products() {
             th * 1e3
         );
     }
-    // One 3072x576 matrix (1.1 MB in q4) again and again: from L2, so the kernel's own rate,
-    // to set beside the cores' vpdpbusd peak above (two cores here).
-    let (r, c) = (3072usize, 576usize);
-    let m = Q4Matrix::quantize(&values(7, r * c), r, c).unwrap();
-    print!("q4 {r}x{c} from L2, multiply-adds/s on both cores:");
-    for n in [1usize, 9, 12] {
-        let x = values(1, n * c);
-        let mut out = vec![0.0f32; n * r];
-        let t = fastest(5, || {
-            for _ in 0..200 {
-                m.matmul(&x, &mut out, kernel).unwrap();
-            }
-        }) / 200.0;
-        print!("  {n} rows {:.0} G", (n * r * c) as f64 / t / 1e9);
+    // Each layer matrix of SmolLM2 (0.2-1.7 MB in q4) again and again: from L2, so the kernel's
+    // own rate with each call's fixed costs (rounding the activations, the split between the
+    // threads), to set beside the cores' vpdpbusd peak above (two cores here).
+    println!("q4 from L2, multiply-adds/s on both cores:");
+    for (r, c) in [(3072usize, 576usize), (960, 576), (576, 1536), (576, 576)] {
+        let m = Q4Matrix::quantize(&values(7, r * c), r, c).unwrap();
+        print!("  {r:4}x{c:<4}");
+        for n in [1usize, 9, 12] {
+            let x = values(1, n * c);
+            let mut out = vec![0.0f32; n * r];
+            let t = fastest(5, || {
+                for _ in 0..200 {
+                    m.matmul(&x, &mut out, kernel).unwrap();
+                }
+            }) / 200.0;
+            print!("  {n:2} rows {:3.0} G", (n * r * c) as f64 / t / 1e9);
+        }
+        println!();
     }
-    println!();
 }
 
 fn attention() {

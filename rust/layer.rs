@@ -740,7 +740,10 @@ mod tests {
         // A float32 cache holds them all.
         let mut dst = [0.0f32; 2];
         store(&mut dst, &[1e30, -HALF_OVERFLOW]).unwrap();
-        assert_eq!(dst.map(f32::to_bits), [1e30f32, -HALF_OVERFLOW].map(f32::to_bits));
+        assert_eq!(
+            dst.map(f32::to_bits),
+            [1e30f32, -HALF_OVERFLOW].map(f32::to_bits)
+        );
     }
 
     #[test]
