@@ -223,8 +223,10 @@ fn products() {
     }
     // Each layer matrix of SmolLM2 (0.2-1.7 MB in q4) again and again: from L2, so the kernel's
     // own rate with each call's fixed costs (rounding the activations, the split between the
-    // threads), to set beside the cores' vpdpbusd peak above (two cores here).
-    println!("q4 from L2, multiply-adds/s on both cores:");
+    // threads), to set beside the cores' vpdpbusd peak above. `taskset -c 0` gives one thread
+    // (no helper).
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(2));
+    println!("q4 from L2, multiply-adds/s on {threads} thread(s):");
     for (r, c) in [(3072usize, 576usize), (960, 576), (576, 1536), (576, 576)] {
         let m = Q4Matrix::quantize(&values(7, r * c), r, c).unwrap();
         print!("  {r:4}x{c:<4}");
