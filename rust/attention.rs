@@ -213,9 +213,8 @@ pub trait Elem: sealed::Sealed + Copy + Send + Sync + 'static {
     /// The type is `half::f16`: loads convert (exactly, as every f16 is an f32).
     const HALF: bool;
     fn to_f32(self) -> f32;
-    /// Rounded to nearest, ties to even.
-    fn from_f32(x: f32) -> Self;
-    /// dst[i] = from_f32(src[i]), a vector at a time where the CPU converts them (F16C).
+    /// dst[i] = src[i] rounded to nearest, ties to even, a vector at a time where the CPU
+    /// converts them (F16C).
     fn from_f32_slice(dst: &mut [Self], src: &[f32]);
 }
 
@@ -224,10 +223,6 @@ impl Elem for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> f32 {
-        x
     }
     fn from_f32_slice(dst: &mut [f32], src: &[f32]) {
         dst.copy_from_slice(src);
@@ -239,10 +234,6 @@ impl Elem for f16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> f16 {
-        f16::from_f32(x)
     }
     fn from_f32_slice(dst: &mut [f16], src: &[f32]) {
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
@@ -1272,7 +1263,7 @@ mod tests {
         (values(qn, seed), values(kn, seed + 1), values(kn, seed + 2))
     }
 
-    fn run(q: &[f32], k: &[f32], v: &[f32], d: &Dims, path: Path) -> Vec<f32> {
+    fn run<E: Elem>(q: &[f32], k: &[E], v: &[E], d: &Dims, path: Path) -> Vec<f32> {
         let mut out = vec![0.0f32; q.len()];
         attend_with(q, k, v, &mut out, d, path).unwrap();
         out
@@ -1413,12 +1404,6 @@ mod tests {
         x.iter().map(|&v| f16::from_f32(v)).collect()
     }
 
-    fn run_half(q: &[f32], k: &[f16], v: &[f16], d: &Dims, path: Path) -> Vec<f32> {
-        let mut out = vec![0.0f32; q.len()];
-        attend_with(q, k, v, &mut out, d, path).unwrap();
-        out
-    }
-
     /// An f16 cache gives, on every path, the bits of an f32 cache holding the same (rounded)
     /// values; the rounding is real (the unrounded cache differs), and bundles and rows keep
     /// their bits as with f32.
@@ -1444,15 +1429,11 @@ mod tests {
             );
             for path in [Path::Portable, Path::Avx2, Path::Avx512] {
                 if path.supported() {
-                    assert_eq!(
-                        run_half(&q, &kh, &vh, &d, path),
-                        want,
-                        "{path:?} {head_dim}"
-                    );
+                    assert_eq!(run(&q, &kh, &vh, &d, path), want, "{path:?} {head_dim}");
                 }
             }
             // Row t of the 9-row pass is the one-row pass at pos + t.
-            let all = run_half(&q, &kh, &vh, &d, Path::best());
+            let all = run(&q, &kh, &vh, &d, Path::best());
             for t in [0, 4, 8] {
                 let one = Dims {
                     rows: 1,
@@ -1462,7 +1443,7 @@ mod tests {
                 let qt: Vec<f32> = (0..d.heads)
                     .flat_map(|h| q[(h * 9 + t) * head_dim..(h * 9 + t + 1) * head_dim].to_vec())
                     .collect();
-                let got = run_half(&qt, &kh, &vh, &one, Path::best());
+                let got = run(&qt, &kh, &vh, &one, Path::best());
                 for h in 0..d.heads {
                     assert_eq!(
                         got[h * head_dim..(h + 1) * head_dim],
