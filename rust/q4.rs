@@ -8,10 +8,9 @@
 //!   Σ x·w = sx · (d · Σ q·xq + m · Σ xq),
 //!
 //! two exact integer sums and a few float operations. In every code path alike, for the groups
-//! in order, two fused multiply-adds (each rounded once): `acc = fma(Σ q·xq as f32, d * sx,
-//! acc)`, then `acc = fma(m, sx * Σ xq as f32, acc)`. So, as for int8, a row of a pass depends
-//! only on its own input row, and the scalar, AVX2, AVX-VNNI and AVX-512 VNNI paths give the
-//! same bits.
+//! in order, `acc += (Σ q·xq as f32) * (d * sx)`, then `acc += m * (sx * Σ xq as f32)`. So, as for
+//! int8, a row of a pass depends only on its own input row, and the scalar, AVX2, AVX-VNNI and
+//! AVX-512 VNNI paths give the same bits.
 //!
 //! Why 4 bits: a decode step reads every weight once, so 5 bits a weight (4, plus d and m per 32)
 //! read in 5/8 of int8's time. And unsigned 4-bit values let AVX2's vpmaddubsw (u8 × s8) run
@@ -265,8 +264,8 @@ impl Q4Matrix {
         match kernel {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: a kernel other than Scalar passed `supported()`, so the CPU has AVX2 (every
-            // such kernel's CPU has it); F16C and FMA are checked here (by `rows_per_call` for
-            // VNNI). Slice lengths are as read.
+            // such kernel's CPU has it); F16C is checked here (by `rows_per_call` for VNNI).
+            // Slice lengths are as read.
             Kernel::Avx512Vnni if rows_per_call(kernel) == VNNI_ROWS => unsafe {
                 match m {
                     1 => x86::dot_vnni::<1>(&block, &rows, acc),
@@ -285,10 +284,10 @@ impl Q4Matrix {
             },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Kernel::Avx2 if has_f16c_fma() => unsafe { ymm!(dot, dot_half) },
+            Kernel::Avx2 if has_f16c() => unsafe { ymm!(dot, dot_half) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Kernel::AvxVnni if has_f16c_fma() => unsafe { ymm!(dot_avxvnni, dot_half_avxvnni) },
+            Kernel::AvxVnni if has_f16c() => unsafe { ymm!(dot_avxvnni, dot_half_avxvnni) },
             _ => dot_scalar(&block, &rows, m, acc),
         }
     }
@@ -342,11 +341,11 @@ fn chunks(n: usize, most: usize) -> impl Iterator<Item = usize> {
 }
 
 /// The most rows `dot_block` takes at once with `kernel`: VNNI_ROWS where the AVX-512 VNNI
-/// kernel runs (it needs F16C and FMA too), ROWS otherwise.
+/// kernel runs (it needs F16C too), ROWS otherwise.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn rows_per_call(kernel: Kernel) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx512Vnni && has_f16c_fma() {
+    if kernel == Kernel::Avx512Vnni && has_f16c() {
         return VNNI_ROWS;
     }
     ROWS
@@ -372,8 +371,8 @@ fn check_shape(rows: usize, cols: usize, len: usize) -> Result<(), Error> {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_f16c_fma() -> bool {
-    is_x86_feature_detected!("f16c") && is_x86_feature_detected!("fma")
+fn has_f16c() -> bool {
+    is_x86_feature_detected!("f16c")
 }
 
 /// Per row and group: sx · Σ xq, the group's activation sum (for the m · Σ x term).
@@ -421,8 +420,8 @@ fn dot_scalar(blk: &Block<'_>, rows: &Rows<'_>, m: usize, acc: &mut [f32]) {
                     blk.d[g * BLOCK + lane].to_f32(),
                     blk.m[g * BLOCK + lane].to_f32(),
                 );
-                total = (s as f32).mul_add(d * sx[i * groups + g], total);
-                total = mn.mul_add(xsum[i * groups + g], total);
+                total += (s as f32) * (d * sx[i * groups + g]);
+                total += mn * xsum[i * groups + g];
             }
             acc[i * BLOCK + lane] = total;
         }
@@ -498,8 +497,9 @@ mod x86 {
                         let xs = _mm256_set1_ps(xsum[i * groups + g]);
                         for h in 0..2 {
                             let exact = _mm256_cvtepi32_ps($widen(si[h]));
-                            let t = _mm256_fmadd_ps(exact, _mm256_mul_ps(d[h], s), ti[h]);
-                            ti[h] = _mm256_fmadd_ps(m[h], xs, t);
+                            let t =
+                                _mm256_add_ps(ti[h], _mm256_mul_ps(exact, _mm256_mul_ps(d[h], s)));
+                            ti[h] = _mm256_add_ps(t, _mm256_mul_ps(m[h], xs));
                         }
                     }
                 }
@@ -555,8 +555,8 @@ mod x86 {
                         let xs = _mm256_set1_ps(*xsum.get_unchecked(i * groups + g));
                         let exact = _mm256_cvtepi32_ps($widen(*si));
                         let t = _mm256_loadu_ps(total(i));
-                        let t = _mm256_fmadd_ps(exact, _mm256_mul_ps(d, s), t);
-                        _mm256_storeu_ps(total(i), _mm256_fmadd_ps(m, xs, t));
+                        let t = _mm256_add_ps(t, _mm256_mul_ps(exact, _mm256_mul_ps(d, s)));
+                        _mm256_storeu_ps(total(i), _mm256_add_ps(t, _mm256_mul_ps(m, xs)));
                     }
                 }
             }
@@ -566,7 +566,7 @@ mod x86 {
     ymm_kernels!(
         dot,
         dot_half,
-        "avx2,fma,f16c",
+        "avx2,f16c",
         |s, w, x| _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x)),
         |s, w0, x0, w1, x1| _mm256_add_epi16(
             s,
@@ -577,7 +577,7 @@ mod x86 {
     ymm_kernels!(
         dot_avxvnni,
         dot_half_avxvnni,
-        "avx2,avxvnni,fma,f16c",
+        "avx2,avxvnni,f16c",
         |s, w, x| _mm256_dpbusd_avx_epi32(s, w, x),
         |s, w0, x0, w1, x1| _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s, w0, x0), w1, x1),
         |s| s
@@ -627,8 +627,8 @@ mod x86 {
                     si[0]
                 };
                 let exact = _mm512_cvtepi32_ps(sum);
-                let t = _mm512_fmadd_ps(exact, _mm512_mul_ps(d, s), *ti);
-                *ti = _mm512_fmadd_ps(m, xs, t);
+                let t = _mm512_add_ps(*ti, _mm512_mul_ps(exact, _mm512_mul_ps(d, s)));
+                *ti = _mm512_add_ps(t, _mm512_mul_ps(m, xs));
             }
         }
         for (i, ti) in total.iter().enumerate() {
@@ -672,8 +672,8 @@ mod tests {
                         .sum();
                     let sum: f64 = ks.map(|k| f64::from(xq[k])).sum();
                     let (dg, mg) = (d[o * groups + g].to_f32(), m[o * groups + g].to_f32());
-                    total = (dot as f32).mul_add(dg * s, total);
-                    total = mg.mul_add(s * sum as f32, total);
+                    total += (dot as f32) * (dg * s);
+                    total += mg * (s * sum as f32);
                 }
                 out[r * rows + o] = total;
             }
