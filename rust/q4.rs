@@ -32,8 +32,8 @@ use crate::int8::{check_product, Activations, Kernel, Product, GROUP, PARALLEL_M
 const BLOCK: usize = 16;
 /// Pieces a product is cut into for the two threads to take (`helper::for_each`). Few: each
 /// piece a thread claims moves the claim counter's cache line between the cores, and a layer's
-/// matrices (36-192 blocks) are small. On the Xeon VM, SmolLM2 q4 passes after 500 tokens,
-/// interleaved against 16 pieces: 1 row -10 %, 3 rows -9 %, 9 rows -6 % (2 and 8: between).
+/// matrices (36-192 blocks) are small, so a claim costs more than an uneven last piece
+/// (docs/benchmarks.md §12 has pass times against 16 pieces; 2 and 8 measured between).
 const UNITS: usize = 4;
 /// Input rows the AVX2 kernels take through a block at once (`x86::dot_half`).
 const ROWS: usize = 8;
