@@ -21,9 +21,11 @@ use crate::helper::Shared;
 const BLOCK: usize = 16;
 /// Input features per activation scale.
 pub const GROUP: usize = 32;
-/// Activation rows a kernel call accumulates at once (VNNI: 4 rows × 2 blocks × an integer and
-/// a float accumulator = 16 of the 32 zmm registers).
+/// Activation rows an AVX2 or scalar kernel call accumulates at once.
 const ROWS: usize = 4;
+/// The same for AVX-512 VNNI: 6 rows × 2 blocks × an integer and a float accumulator = 24 of
+/// the 32 zmm registers.
+const VNNI_ROWS: usize = 6;
 /// Blocks a kernel call reads at once: each activation broadcast feeds two products.
 const PAIR: usize = 2;
 /// Above this many input features an i32 could overflow somewhere (checked at construction).
@@ -235,18 +237,21 @@ impl Int8Matrix {
         if n == 0 {
             return Ok(());
         }
-        let acts = Activations::quantize(x, n, self.cols, self.width, kernel == Kernel::Avx512Vnni);
+        let acts = Activations::quantize(x, n, self.cols, self.width);
         let blocks = self.rows.div_ceil(BLOCK);
         let out = Shared::new(out);
         let block_len = self.width * BLOCK;
+        // The rows in even chunks (9 = 5 + 4 on VNNI), each of which reads the blocks again.
+        let most = rows_at_once(kernel);
+        let chunk = n.div_ceil(n.div_ceil(most));
         let run = |range: std::ops::Range<usize>| {
-            let mut acc = vec![0.0f32; ROWS * PAIR * BLOCK];
+            let mut acc = vec![0.0f32; VNNI_ROWS * PAIR * BLOCK];
             let mut b = range.start;
             while b < range.end {
                 let nb = PAIR.min(range.end - b);
                 let w = &self.packed[b * block_len..(b + nb) * block_len];
-                for r0 in (0..n).step_by(ROWS) {
-                    let m = ROWS.min(n - r0);
+                for r0 in (0..n).step_by(chunk) {
+                    let m = chunk.min(n - r0);
                     dot_blocks(kernel, w, nb, &acts, r0, m, &mut acc);
                     self.epilogue(b, nb, r0, m, &acc, &acts.bad, &out);
                 }
@@ -341,25 +346,18 @@ pub(crate) fn check_product(
     Ok(n)
 }
 
-/// A pass's activations: (n, width) int8 values (as u8 = q + 128 if `unsigned`, for the VNNI
-/// path, which subtracts 128 · Σw afterwards), one scale and one sum of the int8 values per row
-/// and group, and which rows were not finite.
+/// A pass's activations: (n, width) int8 values, one scale and one sum of the int8 values per
+/// row and group, and which rows were not finite.
 pub(crate) struct Activations {
     pub(crate) q: Vec<i8>,
     pub(crate) scales: Vec<f32>, // (n, width / GROUP)
-    pub(crate) sums: Vec<i32>,   // (n, width / GROUP): Σ q, before the unsigned shift
+    pub(crate) sums: Vec<i32>,   // (n, width / GROUP): Σ q
     pub(crate) bad: Vec<bool>,
     pub(crate) width: usize,
 }
 
 impl Activations {
-    pub(crate) fn quantize(
-        x: &[f32],
-        n: usize,
-        cols: usize,
-        width: usize,
-        unsigned: bool,
-    ) -> Activations {
+    pub(crate) fn quantize(x: &[f32], n: usize, cols: usize, width: usize) -> Activations {
         let groups = width / GROUP;
         let mut q = vec![0i8; n * width];
         let mut scales = vec![0.0f32; n * groups];
@@ -383,11 +381,6 @@ impl Activations {
             };
             let x = &x[rows.start * cols..rows.end * cols];
             quantize_rows(x, cols, width, q, scales, sums, bad);
-            if unsigned {
-                for v in q {
-                    *v = (v.cast_unsigned() ^ 0x80).cast_signed();
-                }
-            }
         });
         Activations {
             q,
@@ -398,11 +391,13 @@ impl Activations {
         }
     }
 
-    pub(crate) fn rows(&self, r0: usize, m: usize) -> (&[i8], &[f32]) {
+    /// Rows r0..r0 + m: (values, scales, sums).
+    pub(crate) fn rows(&self, r0: usize, m: usize) -> (&[i8], &[f32], &[i32]) {
         let groups = self.width / GROUP;
         (
             &self.q[r0 * self.width..(r0 + m) * self.width],
             &self.scales[r0 * groups..(r0 + m) * groups],
+            &self.sums[r0 * groups..(r0 + m) * groups],
         )
     }
 }
@@ -448,8 +443,17 @@ fn quantize_rows(
     }
 }
 
+/// The most activation rows one kernel call takes.
+fn rows_at_once(kernel: Kernel) -> usize {
+    if kernel == Kernel::Avx512Vnni {
+        VNNI_ROWS
+    } else {
+        ROWS
+    }
+}
+
 /// acc[i * nb * 16 + j * 16 + lane] = Σ_g (Σ_{k in g} x[i][k] · w[j][lane][k]) · sx[i][g] for
-/// rows r0..r0+m (m ≤ 4) and the nb ≤ 2 blocks of `w`.
+/// rows r0..r0+m (m ≤ rows_at_once(kernel)) and the nb ≤ 2 blocks of `w`.
 fn dot_blocks(
     kernel: Kernel,
     w: &[i8],
@@ -460,13 +464,13 @@ fn dot_blocks(
     acc: &mut [f32],
 ) {
     let width = acts.width;
-    let (xs, sx) = acts.rows(r0, m);
-    debug_assert!(m <= ROWS && nb <= PAIR && w.len() == nb * width * BLOCK);
+    let (xs, sx, xsum) = acts.rows(r0, m);
+    debug_assert!(m <= rows_at_once(kernel) && nb <= PAIR && w.len() == nb * width * BLOCK);
     match kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `supported()` checked that the CPU has these instructions; the slices'
         // lengths are the ones the kernels read.
-        Kernel::Avx512Vnni => unsafe { x86::dot_vnni(w, nb, xs, sx, width, m, acc) },
+        Kernel::Avx512Vnni => unsafe { x86::dot_vnni(w, nb, xs, sx, xsum, width, m, acc) },
         _ => {
             for j in 0..nb {
                 let wj = &w[j * width * BLOCK..(j + 1) * width * BLOCK];
@@ -514,7 +518,7 @@ fn dot_scalar(w: &[i8], xs: &[i8], sx: &[f32], width: usize, m: usize, acc: &mut
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{BLOCK, GROUP, ROWS};
+    use super::{BLOCK, GROUP, VNNI_ROWS};
 
     /// [`super::quantize`] of one group of 32 values, the sum of the int8 values, and whether
     /// all were finite. The same operations lane by lane (|v| max, v / scale, clamp, round half
@@ -567,14 +571,19 @@ mod x86 {
         (scale, _mm_cvtsi128_si32(sum), finite)
     }
 
-    /// VNNI: one vpdpbusd per row, block and run of 4 features (u8 activations, s8 weights);
-    /// each broadcast of a row's 4 activations feeds both blocks of a pair.
+    /// VNNI: one vpdpbusd per row, block and run of 4 features. vpdpbusd multiplies u8 by s8,
+    /// so the weights go in as w + 128 (w ^ 0x80, once per load for all the rows) against the
+    /// s8 activations, and each group's sum loses 128 · Σx, the activations' sum the
+    /// quantization counted: the same exact integers as the other paths. Each broadcast of a
+    /// row's 4 activations feeds both blocks of a pair.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn dot_vnni(
         w: &[i8],
         nb: usize,
         xs: &[i8],
         sx: &[f32],
+        xsum: &[i32],
         width: usize,
         m: usize,
         acc: &mut [f32],
@@ -582,10 +591,12 @@ mod x86 {
         macro_rules! rows {
             ($nb:literal) => {
                 match m {
-                    1 => vnni::<1, $nb>(w, xs, sx, width, acc),
-                    2 => vnni::<2, $nb>(w, xs, sx, width, acc),
-                    3 => vnni::<3, $nb>(w, xs, sx, width, acc),
-                    _ => vnni::<ROWS, $nb>(w, xs, sx, width, acc),
+                    1 => vnni::<1, $nb>(w, xs, sx, xsum, width, acc),
+                    2 => vnni::<2, $nb>(w, xs, sx, xsum, width, acc),
+                    3 => vnni::<3, $nb>(w, xs, sx, xsum, width, acc),
+                    4 => vnni::<4, $nb>(w, xs, sx, xsum, width, acc),
+                    5 => vnni::<5, $nb>(w, xs, sx, xsum, width, acc),
+                    _ => vnni::<VNNI_ROWS, $nb>(w, xs, sx, xsum, width, acc),
                 }
             };
         }
@@ -601,36 +612,37 @@ mod x86 {
         w: &[i8],
         xs: &[i8],
         sx: &[f32],
+        xsum: &[i32],
         width: usize,
         acc: &mut [f32],
     ) {
         let groups = width / GROUP;
         let block_len = width * BLOCK;
-        let bias = _mm512_set1_epi8(-128); // 0x80: 128 as u8, for 128 · Σw
+        let bias = _mm512_set1_epi8(-128); // 0x80
         let wp = w.as_ptr();
         let xp = xs.as_ptr();
         let mut total = [[_mm512_setzero_ps(); B]; R];
         for g in 0..groups {
             let mut sums = [[_mm512_setzero_si512(); B]; R];
-            let mut offset = [_mm512_setzero_si512(); B];
             for run in g * GROUP / 4..(g + 1) * GROUP / 4 {
                 let mut wv = [_mm512_setzero_si512(); B];
                 for (j, v) in wv.iter_mut().enumerate() {
-                    *v = _mm512_loadu_si512(wp.add(j * block_len + run * 64).cast());
-                    offset[j] = _mm512_dpbusd_epi32(offset[j], bias, *v);
+                    let wj = _mm512_loadu_si512(wp.add(j * block_len + run * 64).cast());
+                    *v = _mm512_xor_si512(wj, bias);
                 }
                 for (i, si) in sums.iter_mut().enumerate() {
                     let x4 = xp.add(i * width + run * 4).cast::<i32>().read_unaligned();
                     let xv = _mm512_set1_epi32(x4);
                     for (sij, v) in si.iter_mut().zip(&wv) {
-                        *sij = _mm512_dpbusd_epi32(*sij, xv, *v);
+                        *sij = _mm512_dpbusd_epi32(*sij, *v, xv);
                     }
                 }
             }
             for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
                 let scale = _mm512_set1_ps(sx[i * groups + g]);
-                for ((tij, sij), off) in ti.iter_mut().zip(si).zip(&offset) {
-                    let exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(*sij, *off));
+                let offset = _mm512_set1_epi32(128 * xsum[i * groups + g]);
+                for (tij, sij) in ti.iter_mut().zip(si) {
+                    let exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(*sij, offset));
                     *tij = _mm512_add_ps(*tij, _mm512_mul_ps(exact, scale));
                 }
             }

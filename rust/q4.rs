@@ -181,7 +181,7 @@ impl Q4Matrix {
         if n == 0 {
             return Ok(());
         }
-        let acts = Activations::quantize(x, n, self.cols, self.width, false);
+        let acts = Activations::quantize(x, n, self.cols, self.width);
         let sums = group_sums(&acts);
         let blocks = self.rows.div_ceil(BLOCK);
         let out = Shared::new(out);
@@ -226,7 +226,7 @@ impl Q4Matrix {
         let w = &self.packed[b * pairs * 64..(b + 1) * pairs * 64];
         let d = &self.scale[b * groups * BLOCK..(b + 1) * groups * BLOCK];
         let mn = &self.minimum[b * groups * BLOCK..(b + 1) * groups * BLOCK];
-        let (xs, sx) = acts.rows(r0, m);
+        let (xs, sx, _) = acts.rows(r0, m);
         let rows = Rows {
             xs,
             sx,
