@@ -478,11 +478,11 @@ fn dot_blocks(
                 match kernel {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
-                    Kernel::Avx2 => unsafe { x86::dot_avx2(wj, xs, sx, width, m, &mut one) },
+                    Kernel::Avx2 => unsafe { x86::dot_avx2(wj, xs, sx, xsum, width, m, &mut one) },
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
                     Kernel::AvxVnni => unsafe {
-                        x86::dot_avxvnni(wj, xs, sx, width, m, &mut one);
+                        x86::dot_avxvnni(wj, xs, sx, xsum, width, m, &mut one);
                     },
                     _ => dot_scalar(wj, xs, sx, width, m, &mut one),
                 }
@@ -654,17 +654,22 @@ mod x86 {
         }
     }
 
-    /// The AVX2-width kernels: |x| (u8) against sign(x)·w (s8), two ymm halves of 8 output
-    /// rows each, 2 rows at a time. `$step(sum, |x|, sign(x)·w)` adds one run's products:
-    /// AVX2 by vpmaddubsw (pairs stay within i16: 2 · 127 · 127) and vpmaddwd with ones,
-    /// AVX-VNNI by one vpdpbusd. The sums are the same integers, so the bits are the same.
+    /// The AVX2-width kernels: two ymm halves of 8 output rows each, 2 rows at a time.
+    /// `$load(w)` prepares a run's weights once for all the rows, `$step(sum, x, w)` adds one
+    /// run's products for a row's broadcast activations x, and a group's sum then loses
+    /// `$bias` · Σx. AVX2 multiplies |x| (u8) by sign(x)·w (s8) with vpmaddubsw (pairs stay
+    /// within i16: 2 · 127 · 127) and vpmaddwd with ones; AVX-VNNI, as the zmm kernel, w + 128
+    /// (u8) by x (s8) with one vpdpbusd, less 128 · Σx. The sums are the same integers, so the
+    /// bits are the same.
     macro_rules! ymm_kernel {
-        ($dot:ident, $rows:ident, $features:literal, $step:expr) => {
+        ($dot:ident, $rows:ident, $features:literal, $load:expr, $step:expr, $bias:literal) => {
             #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
             pub unsafe fn $dot(
                 w: &[i8],
                 xs: &[i8],
                 sx: &[f32],
+                xsum: &[i32],
                 width: usize,
                 m: usize,
                 acc: &mut [f32],
@@ -673,10 +678,11 @@ mod x86 {
                 let mut i = 0;
                 while i < m {
                     let (x, s, a) = (&xs[i * width..], &sx[i * groups..], &mut acc[i * BLOCK..]);
+                    let xsum = &xsum[i * groups..];
                     if m - i == 1 {
-                        $rows::<1>(w, x, s, width, a);
+                        $rows::<1>(w, x, s, xsum, width, a);
                     } else {
-                        $rows::<2>(w, x, s, width, a);
+                        $rows::<2>(w, x, s, xsum, width, a);
                     }
                     i += 2;
                 }
@@ -687,6 +693,7 @@ mod x86 {
                 w: &[i8],
                 xs: &[i8],
                 sx: &[f32],
+                xsum: &[i32],
                 width: usize,
                 acc: &mut [f32],
             ) {
@@ -700,20 +707,20 @@ mod x86 {
                         // This CPU's prefetchers alone left an AMD Zen 3 waiting on memory
                         // here (5.7 GB/s against q4's 14): ask for the line 32 runs ahead.
                         _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(run * 64 + 2048).cast());
-                        let w0 = _mm256_loadu_si256(wp.add(run * 64).cast());
-                        let w1 = _mm256_loadu_si256(wp.add(run * 64 + 32).cast());
+                        let w0 = $load(_mm256_loadu_si256(wp.add(run * 64).cast()));
+                        let w1 = $load(_mm256_loadu_si256(wp.add(run * 64 + 32).cast()));
                         for (i, si) in sums.iter_mut().enumerate() {
                             let x4 = xp.add(i * width + run * 4).cast::<i32>().read_unaligned();
                             let xv = _mm256_set1_epi32(x4);
-                            let ax = _mm256_sign_epi8(xv, xv); // |x|
-                            si[0] = $step(si[0], ax, _mm256_sign_epi8(w0, xv));
-                            si[1] = $step(si[1], ax, _mm256_sign_epi8(w1, xv));
+                            si[0] = $step(si[0], xv, w0);
+                            si[1] = $step(si[1], xv, w1);
                         }
                     }
                     for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
                         let scale = _mm256_set1_ps(sx[i * groups + g]);
+                        let offset = _mm256_set1_epi32($bias * xsum[i * groups + g]);
                         for (tij, sij) in ti.iter_mut().zip(si) {
-                            let exact = _mm256_cvtepi32_ps(*sij);
+                            let exact = _mm256_cvtepi32_ps(_mm256_sub_epi32(*sij, offset));
                             *tij = _mm256_add_ps(*tij, _mm256_mul_ps(exact, scale));
                         }
                     }
@@ -726,13 +733,37 @@ mod x86 {
         };
     }
 
-    ymm_kernel!(dot_avx2, avx2_rows, "avx2", |sum, ax, wx| {
-        let ones = _mm256_set1_epi16(1);
-        _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wx), ones))
-    });
-    ymm_kernel!(dot_avxvnni, avxvnni_rows, "avx2,avxvnni", |sum, ax, wx| {
-        _mm256_dpbusd_avx_epi32(sum, ax, wx)
-    });
+    ymm_kernel!(
+        dot_avx2,
+        avx2_rows,
+        "avx2",
+        |w| w,
+        |sum, xv, w| {
+            let ones = _mm256_set1_epi16(1);
+            let (ax, wx) = (_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(w, xv)); // |x|, sign(x)·w
+            _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wx), ones))
+        },
+        0
+    );
+    ymm_kernel!(
+        dot_avxvnni,
+        avxvnni_rows,
+        "avx2,avxvnni",
+        |w| _mm256_xor_si256(w, _mm256_set1_epi8(-128)),
+        |sum, xv, w| _mm256_dpbusd_avx_epi32(sum, w, xv),
+        128
+    );
+    // The AVX-VNNI kernel's body with the EVEX encoding of the same instruction, so that its
+    // test also runs on AVX-512 CPUs, which lack AVX-VNNI's VEX one.
+    #[cfg(test)]
+    ymm_kernel!(
+        dot_avxvnni_evex,
+        avxvnni_evex_rows,
+        "avx2,avx512f,avx512vl,avx512vnni",
+        |w| _mm256_xor_si256(w, _mm256_set1_epi8(-128)),
+        |sum, xv, w| _mm256_dpbusd_epi32(sum, w, xv),
+        128
+    );
 }
 
 #[cfg(test)]
@@ -824,6 +855,36 @@ pub(crate) mod tests {
             x[GROUP - 1] = bad;
             // SAFETY: as above.
             assert!(!unsafe { x86::quantize_group(&x, &mut [0i8; GROUP]) }.2);
+        }
+    }
+
+    /// The AVX-VNNI kernel's body, run through its EVEX twin where the CPU has AVX-512 VNNI
+    /// and so not AVX-VNNI itself (CPUs with AVX-VNNI run the kernel in the test below).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avxvnni_body_equals_the_scalar_kernel() {
+        if !(is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni")) {
+            return;
+        }
+        for &(rows, cols, n) in &[(16, 32, 1), (33, 130, 3), (48, 577, 4), (20, 64, 2)] {
+            let m = Int8Matrix::quantize(&lcg(rows as u64, rows * cols), rows, cols).unwrap();
+            let x = lcg(9 + n as u64, n * cols);
+            let acts = Activations::quantize(&x, n, cols, m.width);
+            let (xs, sx, xsum) = acts.rows(0, n);
+            let block_len = m.width * BLOCK;
+            for b in 0..rows.div_ceil(BLOCK) {
+                let w = &m.packed[b * block_len..(b + 1) * block_len];
+                let (mut want, mut got) = ([0.0f32; ROWS * BLOCK], [0.0f32; ROWS * BLOCK]);
+                dot_scalar(w, xs, sx, m.width, n, &mut want);
+                // SAFETY: the CPU has the twin's instructions (checked above).
+                unsafe { x86::dot_avxvnni_evex(w, xs, sx, xsum, m.width, n, &mut got) };
+                let bits = |a: [f32; ROWS * BLOCK]| a.map(f32::to_bits);
+                assert_eq!(
+                    bits(got),
+                    bits(want),
+                    "({rows}, {cols}) x {n} rows, block {b}"
+                );
+            }
         }
     }
 
