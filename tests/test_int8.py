@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import specfast
 from specfast import Model, ModelConfig
 from specfast._core import Int8Matrix, row_attention
+from specfast.targets.base import argmax_rows
 from specfast.targets.torch.int8 import dequantize, int8_linear
 
 
@@ -169,6 +170,25 @@ def test_a_verify_pass_equals_one_token_passes_bit_for_bit():
         d.rollback(pos)
         rows = torch.cat([d.forward(ids[pos + i : pos + i + 1]) for i in range(T)])
         assert torch.equal(whole, rows), (pos, T)
+
+
+@pytest.mark.parametrize("kind", ["int8", "q4"])
+def test_greedy_passes_equal_the_argmax_of_full_passes(kind):
+    """A core model's forward_greedy calls the core with NumPy arrays and no torch op
+    (Decoder._core_greedy): pass after pass, of several sizes, its ids and the cache it
+    leaves are forward()'s."""
+    model = tiny_model().quantize_int8(kind)
+    ids = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(6))
+    greedy, full = model.decoder(96), model.decoder(96)
+    pos = 0
+    for T in (20, 1, 9, 1, 3, 16):
+        got = greedy.forward_greedy(ids[pos : pos + T])
+        want = argmax_rows(full.forward(ids[pos : pos + T]))
+        pos += T
+        assert torch.equal(got, want) and greedy.length == full.length == pos
+    for a, b in ((greedy.cache.k, full.cache.k), (greedy.cache.v, full.cache.v)):
+        assert torch.equal(a[:, :, :pos], b[:, :, :pos])
+    assert greedy._core is not None  # the path under test ran
 
 
 def test_int8_tiny_speculation_equals_its_own_plain_greedy():
