@@ -745,24 +745,33 @@ mod x86 {
         },
         0
     );
-    ymm_kernel!(
+    /// A VNNI kernel of ymm width over `$dpbusd`: w + 128 (u8) by x (s8), less 128 · Σx.
+    macro_rules! ymm_vnni_kernel {
+        ($dot:ident, $rows:ident, $features:literal, $dpbusd:ident) => {
+            ymm_kernel!(
+                $dot,
+                $rows,
+                $features,
+                |w| _mm256_xor_si256(w, _mm256_set1_epi8(-128)),
+                |sum, xv, w| $dpbusd(sum, w, xv),
+                128
+            );
+        };
+    }
+    ymm_vnni_kernel!(
         dot_avxvnni,
         avxvnni_rows,
         "avx2,avxvnni",
-        |w| _mm256_xor_si256(w, _mm256_set1_epi8(-128)),
-        |sum, xv, w| _mm256_dpbusd_avx_epi32(sum, w, xv),
-        128
+        _mm256_dpbusd_avx_epi32
     );
-    // The AVX-VNNI kernel's body with the EVEX encoding of the same instruction, so that its
-    // test also runs on AVX-512 CPUs, which lack AVX-VNNI's VEX one.
+    // The AVX-VNNI kernel with the EVEX encoding of the same instruction, so that its test also
+    // runs on AVX-512 CPUs, which lack AVX-VNNI's VEX one.
     #[cfg(test)]
-    ymm_kernel!(
+    ymm_vnni_kernel!(
         dot_avxvnni_evex,
         avxvnni_evex_rows,
         "avx2,avx512f,avx512vl,avx512vnni",
-        |w| _mm256_xor_si256(w, _mm256_set1_epi8(-128)),
-        |sum, xv, w| _mm256_dpbusd_epi32(sum, w, xv),
-        128
+        _mm256_dpbusd_epi32
     );
 }
 
