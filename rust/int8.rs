@@ -596,7 +596,8 @@ mod x86 {
                     3 => vnni::<3, $nb>(w, xs, sx, xsum, width, acc),
                     4 => vnni::<4, $nb>(w, xs, sx, xsum, width, acc),
                     5 => vnni::<5, $nb>(w, xs, sx, xsum, width, acc),
-                    _ => vnni::<VNNI_ROWS, $nb>(w, xs, sx, xsum, width, acc),
+                    VNNI_ROWS => vnni::<VNNI_ROWS, $nb>(w, xs, sx, xsum, width, acc),
+                    _ => unreachable!("1 to {VNNI_ROWS} rows a call, got {m}"),
                 }
             };
         }
@@ -765,7 +766,7 @@ mod x86 {
         _mm256_dpbusd_avx_epi32
     );
     // The AVX-VNNI kernel with the EVEX encoding of the same instruction, so that its test also
-    // runs on AVX-512 CPUs, which lack AVX-VNNI's VEX one.
+    // runs on CPUs with AVX-512 VNNI but not AVX-VNNI (Zen 4, Ice Lake).
     #[cfg(test)]
     ymm_vnni_kernel!(
         dot_avxvnni_evex,
@@ -867,8 +868,8 @@ pub(crate) mod tests {
         }
     }
 
-    /// The AVX-VNNI kernel's body, run through its EVEX twin where the CPU has AVX-512 VNNI
-    /// and so not AVX-VNNI itself (CPUs with AVX-VNNI run the kernel in the test below).
+    /// The AVX-VNNI kernel's body, run through its EVEX twin on CPUs with AVX-512 VNNI, which
+    /// may lack AVX-VNNI itself (CPUs with AVX-VNNI also run the kernel in the test below).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_avxvnni_body_equals_the_scalar_kernel() {

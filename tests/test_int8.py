@@ -189,6 +189,27 @@ def test_greedy_passes_equal_the_argmax_of_full_passes(kind):
     for a, b in ((greedy.cache.k, full.cache.k), (greedy.cache.v, full.cache.v)):
         assert torch.equal(a[:, :, :pos], b[:, :, :pos])
     assert greedy._core is not None  # the path under test ran
+    for bad, error in (
+        (torch.tensor([300]), ValueError),  # beyond the vocabulary
+        (torch.tensor([-1]), ValueError),
+        (torch.tensor([1.0]), TypeError),
+        (torch.zeros(2, 1, dtype=torch.long), ValueError),
+        (torch.zeros(96 - pos + 1, dtype=torch.long), ValueError),  # past max_length
+    ):
+        with pytest.raises(error):
+            greedy.forward_greedy(bad)
+        assert greedy.length == pos
+
+
+def test_an_int8_model_in_float16_runs_its_passes_through_torch():
+    """The core takes float32 activations: an int8 model in float16 (whose float16 cache is
+    also a core cache dtype) runs its passes through torch instead of failing in the core."""
+    model = tiny_model().to(torch.float16).quantize_int8()
+    d = model.decoder(32)
+    logits = d.forward(torch.arange(5))
+    assert logits.shape == (5, 300) and torch.isfinite(logits).all()
+    d.rollback(0)
+    assert torch.equal(d.forward_greedy(torch.arange(5)), argmax_rows(logits))
 
 
 def test_int8_tiny_speculation_equals_its_own_plain_greedy():

@@ -25,6 +25,9 @@ from specfast.targets.base import (
     argmax_array,
     argmax_rows,
     check_aux_layers,
+    check_fits,
+    check_id_range,
+    check_id_tensor,
     check_ids,
     to_device,
 )
@@ -647,7 +650,8 @@ class Model(nn.Module):
         # of a row as a one-row pass would. In float32 on CPU the whole pass, head included, is
         # one call into the core (rust/layer.rs); in other dtypes torch computes attention row
         # by row.
-        if self.int8 and cache.k.dtype in CORE_CACHE_DTYPES and cache.k.device.type == "cpu":
+        core = self.int8 and self.dtype == torch.float32 and cache.k.device.type == "cpu"
+        if core and cache.k.dtype in CORE_CACHE_DTYPES:
             rows = 1 if last_only else T
             logits = None if head is not None else torch.empty(rows, self.vocab_size)
             x = self._int8_layers(self.embed(ids), cos, sin, packed, aux, cache, pos, logits)
@@ -873,10 +877,10 @@ class Decoder:
         features (T, n*D)), as forward."""
         m = self.model
         if features is None or features is False:
-            check_ids(ids, m.device, m.vocab_size, self.cache.length, self.max_length)
             core = self._core_arrays()
             if core is not None:
                 return self._core_greedy(ids, *core)
+            check_ids(ids, m.device, m.vocab_size, self.cache.length, self.max_length)
             if self._is_static(ids, False, None):
                 return self._static(ids)[1]
             with torch_threads(self.torch_threads or torch.get_num_threads()):
@@ -885,33 +889,41 @@ class Decoder:
         return argmax_rows(logits), feats
 
     def _core_arrays(self) -> tuple | None:
-        """(the core's layer stack, embedding (V, D), cos and sin tables (max_length, hd), keys,
-        values) as NumPy arrays where a pass runs wholly in the core (int8 or q4 weights,
-        float32, CPU: see Model._forward), else None. Kept until the packing changes."""
+        """(the core's layer stack, embedding (V, D), cos and sin tables (at least max_length
+        rows), keys, values) as NumPy arrays where a pass runs wholly in the core (int8 or q4
+        weights, float32, CPU: see Model._forward), else None. Kept while the packing and the
+        embedding stay the same objects."""
         m = self.model
         if not m.int8 or self.step is not None or m.dtype != torch.float32:
             return None
         k, v = self.cache.k, self.cache.v
         if k.device.type != "cpu" or k.dtype not in CORE_CACHE_DTYPES:
             return None
-        packed = m.packed_weights()
-        if self._core is None or self._core[0] is not packed:
+        key = (m.packed_weights(), m.embed.weight)
+        if self._core is None or any(a is not b for a, b in zip(self._core[0], key, strict=True)):
             cos, sin = m.rope(self.max_length)
-            arrays = (m._int8_stack(packed), m.embed.weight.detach().numpy())
+            arrays = (m._int8_stack(key[0]), m.embed.weight.detach().numpy())
             arrays += (cos.numpy(), sin.numpy(), k.numpy(), v.numpy())
-            self._core = (packed, arrays)
+            self._core = (key, arrays)
         return self._core[1]
 
     def _core_greedy(self, ids, stack, embed, cos, sin, k, v) -> torch.Tensor:
-        """forward_greedy over the arrays of _core_arrays, with no torch op: a pass streams the
-        weights through the caches, so a torch op between passes runs cold, at tens of µs, and
-        the dozen in forward() cost a one-row pass 0.3-0.5 ms. The same call into the core on
-        the same values, so the same ids."""
-        rows, pos = ids.numpy(), self.cache.length
-        T = rows.shape[0]
-        if self._logits.shape[0] < T:
-            self._logits = np.empty((T, embed.shape[0]), np.float32)
-        logits = self._logits[:T]
+        """forward_greedy over the arrays of _core_arrays, with NumPy between the passes and
+        not torch: a pass streams the weights through the caches, so a torch op between passes
+        runs cold, at tens of µs, and the dozen in forward() cost a one-row pass 0.3-0.5 ms.
+        The same call into the core on the same values, so the same ids."""
+        m, pos = self.model, self.cache.length
+        check_id_tensor(ids, m.device)
+        T = ids.shape[0]
+        check_fits(T, pos, self.max_length)
+        rows = ids.numpy()
+        check_id_range(int(rows.min()), int(rows.max()), m.vocab_size)
+        if T > INT8_SERIAL_ROWS:  # a prefill's logits: not worth keeping
+            logits = np.empty((T, embed.shape[0]), np.float32)
+        else:
+            if self._logits.shape[0] < T:
+                self._logits = np.empty((T, embed.shape[0]), np.float32)
+            logits = self._logits[:T]
         x = embed[rows]  # (T, D): a copy, which the core turns into the last hidden states
         stack.forward(x, cos[pos : pos + T], sin[pos : pos + T], k, v, pos, logits=logits)
         self.cache.length = pos + T
