@@ -32,7 +32,7 @@ WEIGHTS_CHOICES = ("auto", "float", "int8", "q4")
 # The weight kinds the core runs, with int8 activations.
 QUANTIZED = ("int8", "q4")
 # Part of the cache key of "auto"'s timings: bump it when the int8 path's speed changes.
-KERNEL_VERSION = 4
+KERNEL_VERSION = 5
 # Passes of up to this many tokens run torch's own ops on one thread: the core splits its
 # products with its own helper thread (rust/helper.rs), and torch's OpenMP workers spinning
 # between ops beside it made a SmolLM2 decode step 300+ ms instead of 20 (2 cores).
