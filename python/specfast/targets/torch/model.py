@@ -25,9 +25,6 @@ from specfast.targets.base import (
     argmax_array,
     argmax_rows,
     check_aux_layers,
-    check_fits,
-    check_id_range,
-    check_id_tensor,
     check_ids,
     to_device,
 )
@@ -366,13 +363,18 @@ class Model(nn.Module):
         return self.weight_kind != "float"
 
     @property
+    def in_core(self) -> bool:
+        """True where passes run wholly in the core (rust/layer.rs): int8 or q4 weights with
+        float32 activations on CPU, over a cache of CORE_CACHE_DTYPES."""
+        return self.int8 and self.dtype == torch.float32 and self.device.type == "cpu"
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         """The dtype of a decoder's KV cache: float16 where the passes run in the core (int8 or
         q4 weights, float32 activations, CPU), the model's dtype elsewhere. Set it to
         torch.float32 for a core cache of full precision (twice the bytes a pass reads), or to
         None for the default; new decoders take it."""
-        core = self.int8 and self.dtype == torch.float32 and self.device.type == "cpu"
-        if not core:
+        if not self.in_core:
             return self.dtype
         return torch.float16 if self._kv_dtype is None else self._kv_dtype
 
@@ -650,8 +652,7 @@ class Model(nn.Module):
         # of a row as a one-row pass would. In float32 on CPU the whole pass, head included, is
         # one call into the core (rust/layer.rs); in other dtypes torch computes attention row
         # by row.
-        core = self.int8 and self.dtype == torch.float32 and cache.k.device.type == "cpu"
-        if core and cache.k.dtype in CORE_CACHE_DTYPES:
+        if self.in_core and cache.k.dtype in CORE_CACHE_DTYPES:
             rows = 1 if last_only else T
             logits = None if head is not None else torch.empty(rows, self.vocab_size)
             x = self._int8_layers(self.embed(ids), cos, sin, packed, aux, cache, pos, logits)
@@ -808,7 +809,7 @@ class Decoder:
         self.max_length = max_length
         self.step = model.compiled_step
         self.cold_passes = 0  # passes that compiled a graph or recorded a CUDA graph
-        self._core: tuple | None = None  # (packing, _core_arrays)
+        self._core: tuple | None = None  # (packing, embedding, _core_arrays)
         self._logits = np.empty((0, 0), np.float32)  # _core_greedy's, reused
         if self.step is not None:
             model._restore_plain()  # a compiled step reads the plain weights, not the packed
@@ -894,18 +895,16 @@ class Decoder:
         weights, float32, CPU: see Model._forward), else None. Kept while the packing and the
         embedding stay the same objects."""
         m = self.model
-        if not m.int8 or self.step is not None or m.dtype != torch.float32:
-            return None
         k, v = self.cache.k, self.cache.v
-        if k.device.type != "cpu" or k.dtype not in CORE_CACHE_DTYPES:
+        if self.step is not None or not m.in_core or k.dtype not in CORE_CACHE_DTYPES:
             return None
-        key = (m.packed_weights(), m.embed.weight)
-        if self._core is None or any(a is not b for a, b in zip(self._core[0], key, strict=True)):
+        packed, embed = m.packed_weights(), m.embed.weight
+        if self._core is None or self._core[0] is not packed or self._core[1] is not embed:
             cos, sin = m.rope(self.max_length)
-            arrays = (m._int8_stack(key[0]), m.embed.weight.detach().numpy())
+            arrays = (m._int8_stack(packed), embed.detach().numpy())
             arrays += (cos.numpy(), sin.numpy(), k.numpy(), v.numpy())
-            self._core = (key, arrays)
-        return self._core[1]
+            self._core = (packed, embed, arrays)
+        return self._core[2]
 
     def _core_greedy(self, ids, stack, embed, cos, sin, k, v) -> torch.Tensor:
         """forward_greedy over the arrays of _core_arrays, with NumPy between the passes and
@@ -913,11 +912,8 @@ class Decoder:
         runs cold, at tens of µs, and the dozen in forward() cost a one-row pass 0.3-0.5 ms.
         The same call into the core on the same values, so the same ids."""
         m, pos = self.model, self.cache.length
-        check_id_tensor(ids, m.device)
-        T = ids.shape[0]
-        check_fits(T, pos, self.max_length)
-        rows = ids.numpy()
-        check_id_range(int(rows.min()), int(rows.max()), m.vocab_size)
+        check_ids(ids, m.device, m.vocab_size, pos, self.max_length)
+        rows, T = ids.numpy(), ids.shape[0]
         if T > INT8_SERIAL_ROWS:  # a prefill's logits: not worth keeping
             logits = np.empty((T, embed.shape[0]), np.float32)
         else:
