@@ -5,7 +5,9 @@
 //! - the peak rate of one core: vpmaddubsw (32 int8 multiply-adds) and float32 FMA (8), each in
 //!   independent chains, so throughput and not latency is timed; and vpmaddubsw with the i16
 //!   add and the broadcast operand that the q4 kernel needs beside each one; on AVX-512 VNNI
-//!   CPUs, vpdpbusd on zmm (64) and zmm FMA (16), the instructions of the VNNI kernels;
+//!   CPUs, vpdpbusd on zmm (64) and zmm FMA (16), the instructions of the VNNI kernels, and the
+//!   q4 VNNI kernel's arithmetic at 9 rows with and without its per-group float epilogue (the
+//!   ceiling that exact Q4_1 groups put on a verify pass's products);
 //! - SmolLM2-135M's 120 layer matrices in 4-bit (q4) and its output matrix in int8, at 1-16
 //!   rows, with both threads (`helper`), distinct matrices so that the weights come from memory;
 //! - attention of 9 query heads over 3 kv heads (head size 64) at 1 and 9 rows after 500 and
@@ -48,8 +50,9 @@ mod peak {
     use std::arch::x86_64::{
         __m256, __m256i, __m512, __m512i, _mm256_add_epi16, _mm256_add_ps, _mm256_fmadd_ps,
         _mm256_maddubs_epi16, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps,
-        _mm256_setzero_si256, _mm512_add_epi32, _mm512_add_ps, _mm512_dpbusd_epi32,
-        _mm512_fmadd_ps, _mm512_set1_epi8, _mm512_set1_ps,
+        _mm256_setzero_si256, _mm512_add_epi32, _mm512_add_ps, _mm512_cvtepi32_ps,
+        _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_set1_epi32, _mm512_set1_epi8,
+        _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512,
     };
 
     /// n rounds of 8 independent vpmaddubsw chains.
@@ -94,6 +97,50 @@ mod peak {
             }
         }
         acc.iter().fold(acc[0], |s, &a| _mm512_add_epi32(s, a))
+    }
+
+    /// n groups of the q4 AVX-512 VNNI kernel's arithmetic at 9 rows, with the weights in a
+    /// register: per row, 8 vpdpbusd of broadcast activations into a fresh i32 sum, then
+    /// either the kernel's per-group float epilogue (convert, multiply by d · sx, add,
+    /// multiply m by the row's scaled Σx, add: 3 of its 5 float operations are multiplies,
+    /// on the pipes vpdpbusd issues on) or, with `EPILOGUE` false, one integer add.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn q4_groups<const EPILOGUE: bool>(
+        n: usize,
+        xs: &[i32; 72],
+        sx: &[f32; 9],
+        xsum: &[f32; 9],
+    ) -> (__m512, __m512i) {
+        let w = _mm512_set1_epi8(std::hint::black_box(3));
+        let d = _mm512_set1_ps(std::hint::black_box(0.5));
+        let m = _mm512_set1_ps(std::hint::black_box(0.25));
+        let mut total = [_mm512_setzero_ps(); 9];
+        let mut whole = [_mm512_setzero_si512(); 9];
+        for _ in 0..n {
+            // Read each group's activations and scales, as the kernel does.
+            let (sx, xsum) = (std::hint::black_box(sx), std::hint::black_box(xsum));
+            let xs = std::hint::black_box(xs);
+            let mut sums = [_mm512_setzero_si512(); 9];
+            for run in 0..8 {
+                for (i, s) in sums.iter_mut().enumerate() {
+                    *s = _mm512_dpbusd_epi32(*s, w, _mm512_set1_epi32(xs[i * 8 + run]));
+                }
+            }
+            for i in 0..9 {
+                if EPILOGUE {
+                    let exact = _mm512_cvtepi32_ps(sums[i]);
+                    let t = _mm512_mul_ps(exact, _mm512_mul_ps(d, _mm512_set1_ps(sx[i])));
+                    let t = _mm512_add_ps(total[i], t);
+                    total[i] = _mm512_add_ps(t, _mm512_mul_ps(m, _mm512_set1_ps(xsum[i])));
+                } else {
+                    whole[i] = _mm512_add_epi32(whole[i], sums[i]);
+                }
+            }
+        }
+        (
+            total.iter().fold(total[0], |s, &a| _mm512_add_ps(s, a)),
+            whole.iter().fold(whole[0], |s, &a| _mm512_add_epi32(s, a)),
+        )
     }
 
     /// n rounds of 12 independent zmm FMA chains.
@@ -176,6 +223,25 @@ fn peak_rates() {
         "one core: {:.2} G zmm FMA/s ({:.0} G float32 multiply-adds/s)",
         12.0 * n as f64 / t / 1e9,
         192.0 * n as f64 / t / 1e9
+    );
+    let (sx, xsum) = ([0.01f32; 9], [0.02f32; 9]);
+    let xs: [i32; 72] = std::array::from_fn(|i| i32::try_from(i).unwrap_or(0) * 0x0101_0101);
+    let groups = n / 8;
+    // SAFETY: as above.
+    let bare = fastest(3, || {
+        std::hint::black_box(unsafe { peak::q4_groups::<false>(groups, &xs, &sx, &xsum) });
+    });
+    // SAFETY: as above.
+    let full = fastest(3, || {
+        std::hint::black_box(unsafe { peak::q4_groups::<true>(groups, &xs, &sx, &xsum) });
+    });
+    let rate = |t: f64| 72.0 * groups as f64 / t / 1e9;
+    println!(
+        "one core, the q4 kernel's arithmetic at 9 rows: {:.2} G zmm vpdpbusd/s with its \
+         per-group float epilogue, {:.2} G without ({:.0} %)",
+        rate(full),
+        rate(bare),
+        100.0 * bare / full
     );
 }
 
