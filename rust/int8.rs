@@ -245,7 +245,7 @@ impl Int8Matrix {
         let most = rows_at_once(kernel);
         let chunk = n.div_ceil(n.div_ceil(most));
         let run = |range: std::ops::Range<usize>| {
-            let mut acc = vec![0.0f32; VNNI_ROWS * PAIR * BLOCK];
+            let mut acc = [0.0f32; VNNI_ROWS * PAIR * BLOCK];
             let mut b = range.start;
             while b < range.end {
                 let nb = PAIR.min(range.end - b);
