@@ -134,7 +134,8 @@ def _fbgemm():
 
 
 def _specfast(matrix, kernel):
-    """specfast's core products: matrix is _core.Int8Matrix or _core.Q4Matrix."""
+    """specfast's core products: matrix is _core.Int8Matrix, _core.Q4Matrix or
+    _core.FloatMatrix."""
 
     def build(ws):
         return [matrix(w.numpy()) for w in ws]
@@ -160,6 +161,8 @@ def candidates(native_bf16: bool) -> dict:
         out["bfloat16 oneDNN"] = (_onednn(torch.bfloat16), 2)
     if hasattr(torch.ops.quantized, "linear_dynamic"):
         out["int8 fbgemm (per-tensor x)"] = (_fbgemm(), 1)
+    # specfast's float32 products (rows computed on their own), on this CPU's best build
+    out[f"float32 specfast {_core.int8_kernel()}"] = (_specfast(_core.FloatMatrix, "auto"), 4)
     for kernel in ("avx512vnni", "avxvnni", "avx2", "scalar"):
         if kernel == _core.int8_kernel() or (kernel == "avx2" and _core.int8_kernel() != "scalar"):
             out[f"int8 specfast {kernel}"] = (_specfast(_core.Int8Matrix, kernel), 1)

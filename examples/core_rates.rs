@@ -10,6 +10,7 @@
 //!   ceiling that exact Q4_1 groups put on a verify pass's products);
 //! - SmolLM2-135M's 120 layer matrices in 4-bit (q4) and its output matrix in int8, at 1-16
 //!   rows, with both threads (`helper`), distinct matrices so that the weights come from memory;
+//!   then the same matrices in float32 (`FloatMatrix`);
 //! - attention of 9 query heads over 3 kv heads (head size 64) at 1 and 9 rows after 500 and
 //!   2000 cached tokens, one layer, over a float32 and a float16 cache.
 //!
@@ -19,6 +20,7 @@
 use std::time::Instant;
 
 use specfast::attention::{attend, Dims};
+use specfast::float::FloatMatrix;
 use specfast::int8::{Int8Matrix, Kernel};
 use specfast::q4::Q4Matrix;
 
@@ -351,8 +353,43 @@ fn attention() {
     }
 }
 
+/// The same 120 layer matrices and the output matrix in float32 (`FloatMatrix`): the product of
+/// a float model, at 1-16 rows.
+fn float_products() {
+    let layer = [(960usize, 576usize), (576, 576), (3072, 576), (576, 1536)];
+    let mut mats: Vec<FloatMatrix> = (0..30u64)
+        .flat_map(|l| {
+            layer
+                .iter()
+                .enumerate()
+                .map(move |(i, &rc)| (l * 4 + i as u64, rc))
+        })
+        .map(|(seed, (r, c))| FloatMatrix::new(&values(seed, r * c), r, c).unwrap())
+        .collect();
+    mats.push(FloatMatrix::new(&values(999, 49_152 * 576), 49_152, 576).unwrap());
+    let bytes: usize = mats.iter().map(FloatMatrix::nbytes).sum();
+    let kernel = Kernel::best();
+    println!("float32 layers and output matrix ({} MB):", bytes >> 20);
+    for n in [1usize, 2, 4, 8, 9, 16] {
+        let (x576, x1536) = (values(1, n * 576), values(2, n * 1536));
+        let t = fastest(7, || {
+            for m in &mats {
+                let x = if m.cols() == 576 { &x576 } else { &x1536 };
+                let mut out = vec![0.0f32; n * m.rows()];
+                m.matmul(x, &mut out, kernel).unwrap();
+            }
+        });
+        println!(
+            "  {n:2} rows: {:6.2} ms ({:4.1} GB/s)",
+            t * 1e3,
+            bytes as f64 / t / 1e9
+        );
+    }
+}
+
 fn main() {
     peak_rates();
     products();
+    float_products();
     attention();
 }

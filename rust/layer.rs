@@ -1,5 +1,6 @@
-//! One transformer layer of an int8 or 4-bit model on CPU, in a single call: norms, projections, RoPE,
-//! the cache write, attention and the MLP, every row of the pass computed on its own.
+//! One transformer layer of an int8, 4-bit or float32 model on CPU, in a single call: norms,
+//! projections, RoPE, the cache write, attention and the MLP, every row of the pass computed on
+//! its own.
 //!
 //! A decode step of a small model makes ~35 tensor operations per layer between its matrix
 //! products, and on 2 cores each costs a few microseconds of dispatch: a third of the step.

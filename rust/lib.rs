@@ -6,6 +6,7 @@
 //! - [`corpus`]: saving a drafter's corpus to a versioned, checksummed file and loading it back.
 //! - [`accept`]: greedy verification and residual rejection sampling.
 //! - [`int8`]: int8 matrix products whose rows are quantized, and so computed, independently.
+//! - [`float`]: float32 weight products whose rows are computed independently, as int8's.
 //! - [`q4`]: 4-bit (llama.cpp Q4_1) weight products, rows computed independently as int8's.
 //! - [`attention`]: causal attention whose rows are computed, like int8's, independently.
 //! - [`layer`]: one int8 transformer layer in one call, rows computed independently.
@@ -22,6 +23,7 @@ pub mod bigvec;
 pub mod corpus;
 pub mod drafter;
 pub mod error;
+pub mod float;
 pub mod helper;
 pub mod int8;
 pub mod layer;

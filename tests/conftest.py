@@ -33,6 +33,22 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
 
 
+def _kernel_runs_here(kernel: str) -> bool:
+    from specfast._core import Int8Matrix
+
+    try:
+        Int8Matrix(np.ones((1, 4), np.float32)).matmul(
+            np.ones((1, 4), np.float32), np.empty((1, 1), np.float32), kernel
+        )
+    except ValueError:  # this CPU cannot run it
+        return False
+    return True
+
+
+# The core's CPU kernels this machine runs (every matrix kind takes the same names).
+CPU_KERNELS = [k for k in ("scalar", "avx2", "avxvnni", "avx512vnni") if _kernel_runs_here(k)]
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("smollm") and not HAS_SMOLLM:

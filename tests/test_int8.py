@@ -7,26 +7,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CPU_KERNELS
 
 import specfast
 from specfast import Model, ModelConfig
 from specfast._core import Int8Matrix, row_attention
 from specfast.targets.base import argmax_rows
-from specfast.targets.torch.int8 import dequantize, int8_linear
-
-
-def _runs_here(kernel: str) -> bool:
-    try:
-        Int8Matrix(np.ones((1, 4), np.float32)).matmul(
-            np.ones((1, 4), np.float32), np.empty((1, 1), np.float32), kernel
-        )
-    except ValueError:  # this CPU cannot run it
-        return False
-    return True
-
-
-KERNELS = [k for k in ("scalar", "avx2", "avxvnni", "avx512vnni") if _runs_here(k)]
-
+from specfast.targets.torch.int8 import core_linear, dequantize
 
 GROUP = 32  # input features per activation scale
 
@@ -59,7 +46,7 @@ def check_product(m: Int8Matrix, x: np.ndarray, out: np.ndarray) -> None:
     assert np.abs(out - ref).max() < 0.05 * scale
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize(
     ("rows", "cols", "n"), [(1, 1, 1), (17, 5, 3), (16, 64, 8), (33, 130, 9), (700, 577, 17)]
 )
@@ -102,12 +89,12 @@ def test_strided_and_batched_inputs_through_the_torch_glue():
     w = torch.randn(48, 40)
     m = Int8Matrix(w.numpy())
     x = torch.randn(40, 6).t()  # (6, 40), not contiguous
-    y = int8_linear(x, m)
-    want = int8_linear(x.contiguous(), m)
+    y = core_linear(x, m)
+    want = core_linear(x.contiguous(), m)
     assert torch.equal(y, want)
     x3 = torch.randn(2, 3, 40)
-    assert torch.equal(int8_linear(x3, m).view(6, 48), int8_linear(x3.view(6, 40), m))
-    assert int8_linear(x.bfloat16(), m).dtype == torch.bfloat16
+    assert torch.equal(core_linear(x3, m).view(6, 48), core_linear(x3.view(6, 40), m))
+    assert core_linear(x.bfloat16(), m).dtype == torch.bfloat16
 
 
 def test_bad_input_is_a_clear_error():
@@ -242,7 +229,7 @@ def test_per_tensor_activation_scales_break_speculative_exactness(monkeypatch):
     """Negative control for the test above, on a tiny model so it needs no file: with one
     activation scale shared by the rows of a pass, a verify pass no longer equals one-token
     passes, and the speculative output drifts from plain greedy. In float32 the whole pass runs
-    in the core; in bfloat16 torch runs it, each product through `int8_linear`, which the fault
+    in the core; in bfloat16 torch runs it, each product through `core_linear`, which the fault
     replaces."""
     import specfast.targets.torch.model as model_module
 
@@ -265,7 +252,7 @@ def test_per_tensor_activation_scales_break_speculative_exactness(monkeypatch):
     model = tiny_model().to(torch.bfloat16).quantize_int8()
     ids = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(1))
     assert verify_equals_rows(model)
-    monkeypatch.setattr(model_module, "int8_linear", per_tensor)
+    monkeypatch.setattr(model_module, "core_linear", per_tensor)
     assert not verify_equals_rows(model)
 
 
@@ -294,11 +281,11 @@ def test_the_core_head_is_the_final_norm_and_the_output_product():
         d.rollback(0)
         normed = d.forward(ids, head=lambda h: h)  # torch's final norm, no projection
     packed = model.packed_weights()
-    want = int8_linear(normed, packed[-1])
+    want = core_linear(normed, packed[-1])
     assert torch.allclose(logits, want, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(logits, int8_linear(normed * 2, packed[-1]), atol=1e-3)
+    assert not torch.allclose(logits, core_linear(normed * 2, packed[-1]), atol=1e-3)
 
-    stack = model._int8_stack(packed)
+    stack = model._core_stack(packed)
     c = model.config
     x = model.embed.weight[:1].detach().float().numpy().copy()
     cos, sin = (t[:1].contiguous().numpy() for t in model.rope(1))
@@ -334,7 +321,7 @@ def test_a_core_decoder_caches_in_float16():
             model.kv_dtype = torch.bfloat16
 
     model = tiny_model().quantize_int8("q4")
-    stack = model._int8_stack(model.packed_weights())
+    stack = model._core_stack(model.packed_weights())
     c = model.config
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5))
     x0 = model.embed(ids).detach().float().numpy()

@@ -88,8 +88,8 @@ class _Boom(KeyboardInterrupt):
     """The interrupt the tests raise, told apart from a real Ctrl-C."""
 
 
-def _raise_on_call(n, fn):
-    calls = [0]
+def _raise_on_call(n, fn, calls=None):
+    calls = [0] if calls is None else calls
 
     def wrapper(*args, **kwargs):
         calls[0] += 1
@@ -120,8 +120,11 @@ class _Wrapped:
 def _patch_point(monkeypatch, point, n):
     """Makes `point` raise at its n-th call; returns the call counter."""
     if point == "verify":
+        # A pass goes through forward, or (a greedy pass that runs in the core) _core_greedy.
         wrapper, calls = _raise_on_call(n, Decoder.forward)
         monkeypatch.setattr(Decoder, "forward", wrapper)
+        core, _ = _raise_on_call(n, Decoder._core_greedy, calls)
+        monkeypatch.setattr(Decoder, "_core_greedy", core)
         return calls
     if point == "accept":
         # Patch the acceptance functions wherever specfast bound them, so the test follows the
@@ -269,8 +272,7 @@ def test_interrupt_leaves_no_grad_mode_or_threads_changed(models, monkeypatch):
     # inference_mode is a context manager: an interrupt inside must restore the caller's mode.
     model, _ = models
     threads = torch.get_num_threads()
-    wrapper, _ = _raise_on_call(2, Decoder.forward)
-    monkeypatch.setattr(Decoder, "forward", wrapper)
+    _patch_point(monkeypatch, "verify", 2)
     with pytest.raises(_Boom):
         specfast.generate(model, PROMPT, max_new_tokens=NEW)
     assert not torch.is_inference_mode_enabled()
@@ -305,9 +307,8 @@ def test_negative_control_state_reset_only_on_success(models, monkeypatch):
     monkeypatch.setattr(generate_module, "make_decoder", kept_decoder)
     assert generate_resetting_on_success(model, PROMPT, max_new_tokens=NEW, ignore_eos=True
                                          ).token_ids == fresh  # fmt: skip
-    wrapper, _ = _raise_on_call(3, Decoder.forward)
     with monkeypatch.context() as m:
-        m.setattr(Decoder, "forward", wrapper)
+        _patch_point(m, "verify", 3)
         with pytest.raises(_Boom):
             generate_resetting_on_success(model, PROMPT, max_new_tokens=NEW, ignore_eos=True)
     try:

@@ -7,26 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import CPU_KERNELS
 
 import specfast
 from specfast import Model, ModelConfig
 from specfast._core import Q4Matrix
-from specfast.targets.torch.int8 import dequantize, int8_linear
+from specfast.targets.torch.int8 import core_linear, dequantize
 
 GROUP = 32  # input features per weight scale and per activation scale
-
-
-def _runs_here(kernel: str) -> bool:
-    try:
-        Q4Matrix(np.ones((1, 4), np.float32)).matmul(
-            np.ones((1, 4), np.float32), np.empty((1, 1), np.float32), kernel
-        )
-    except ValueError:  # this CPU cannot run it
-        return False
-    return True
-
-
-KERNELS = [k for k in ("scalar", "avx2", "avxvnni", "avx512vnni") if _runs_here(k)]
 
 
 def expected(m: Q4Matrix, x: np.ndarray) -> np.ndarray:
@@ -54,7 +42,7 @@ def check_product(m: Q4Matrix, x: np.ndarray, out: np.ndarray) -> None:
     assert np.abs(out - ref).max() < 0.05 * (np.abs(ref).max() + 1e-12)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize(
     ("rows", "cols", "n"), [(1, 1, 1), (17, 5, 3), (16, 64, 8), (33, 130, 9), (700, 577, 17)]
 )
@@ -124,7 +112,7 @@ def test_bad_input_is_a_clear_error():
     out = np.empty((2, 4), np.float32)
     m.matmul(x, out)
     assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()
-    assert torch.equal(int8_linear(torch.ones(3, 8), m)[0], torch.from_numpy(out[0]))
+    assert torch.equal(core_linear(torch.ones(3, 8), m)[0], torch.from_numpy(out[0]))
 
 
 # -----------------------------------------------------------------------------

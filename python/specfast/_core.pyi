@@ -9,7 +9,8 @@ import numpy.typing as npt
 
 # PyO3 fills the runtime __all__ from the registered functions; keep this list in step.
 __all__ = [
-    "Int8Layers",
+    "CoreLayers",
+    "FloatMatrix",
     "Int8Matrix",
     "NgramDrafter",
     "Q4Matrix",
@@ -84,20 +85,32 @@ class Q4Matrix:
     @property
     def nbytes(self) -> int: ...
 
+@final
+class FloatMatrix:
+    def __new__(cls, weight: npt.NDArray[np.float32]) -> FloatMatrix: ...
+    def matmul(
+        self, x: npt.NDArray[np.float32], out: npt.NDArray[np.float32], kernel: str = "auto"
+    ) -> None: ...
+    def weights(self) -> npt.NDArray[np.float32]: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def cols(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
 def int8_kernel() -> str: ...
 
 _Float32 = npt.NDArray[np.float32]
 _Float16 = npt.NDArray[np.float16]
-_LayerWeights = tuple[
-    _Float32, Int8Matrix | Q4Matrix, _Float32 | None, Int8Matrix | Q4Matrix, _Float32,
-    Int8Matrix | Q4Matrix, Int8Matrix | Q4Matrix,
-]  # fmt: skip
+_Matrix = Int8Matrix | Q4Matrix | FloatMatrix
+_LayerWeights = tuple[_Float32, _Matrix, _Float32 | None, _Matrix, _Float32, _Matrix, _Matrix]
 
 @final
-class Int8Layers:
-    """A model's int8 or 4-bit layers and its head, run over a pass in one call. layers: per
-    layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down); norm and output: the
-    final norm and the vocabulary projection."""
+class CoreLayers:
+    """A model's int8, 4-bit or float32 layers and its head, run over a pass in one call.
+    layers: per layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down); norm and
+    output: the final norm and the vocabulary projection."""
 
     def __new__(
         cls,
@@ -105,8 +118,8 @@ class Int8Layers:
         heads: int,
         eps: float,
         norm: _Float32,
-        output: Int8Matrix | Q4Matrix,
-    ) -> Int8Layers: ...
+        output: _Matrix,
+    ) -> CoreLayers: ...
     def forward(
         self,
         x: _Float32,

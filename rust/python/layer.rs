@@ -1,5 +1,6 @@
-//! Bindings for `crate::layer`: a model's int8 or 4-bit layers over numpy float32 arrays (the
-//! model's torch tensors and cache, shared without copies), run with the interpreter released.
+//! Bindings for `crate::layer`: a model's int8, 4-bit or float32 layers over numpy float32
+//! arrays (the model's torch tensors and cache, shared without copies), run with the
+//! interpreter released.
 
 use half::f16;
 use numpy::{
@@ -9,6 +10,7 @@ use numpy::{
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+use super::float::PyFloatMatrix;
 use super::int8::PyInt8Matrix;
 use super::q4::PyQ4Matrix;
 use crate::attention::Elem;
@@ -39,10 +41,12 @@ macro_rules! slice_mut {
     };
 }
 
-/// A weight matrix of the stack: an Int8Matrix or a Q4Matrix, held for the stack's lifetime.
+/// A weight matrix of the stack: an Int8Matrix, a Q4Matrix or a FloatMatrix, held for the
+/// stack's lifetime.
 enum Matrix {
     Int8(Py<PyInt8Matrix>),
     Q4(Py<PyQ4Matrix>),
+    Float(Py<PyFloatMatrix>),
 }
 
 impl Matrix {
@@ -53,8 +57,11 @@ impl Matrix {
         if let Ok(m) = obj.cast::<PyQ4Matrix>() {
             return Ok(Matrix::Q4(m.clone().unbind()));
         }
+        if let Ok(m) = obj.cast::<PyFloatMatrix>() {
+            return Ok(Matrix::Float(m.clone().unbind()));
+        }
         Err(PyTypeError::new_err(format!(
-            "{name} must be an Int8Matrix or a Q4Matrix, got {}",
+            "{name} must be an Int8Matrix, a Q4Matrix or a FloatMatrix, got {}",
             obj.get_type().name()?
         )))
     }
@@ -63,6 +70,7 @@ impl Matrix {
         match self {
             Matrix::Int8(m) => &m.get().inner,
             Matrix::Q4(m) => &m.get().inner,
+            Matrix::Float(m) => &m.get().inner,
         }
     }
 }
@@ -101,11 +109,11 @@ type LayerArgs<'py> = (
     Bound<'py, PyAny>,
 );
 
-/// A model's int8 or 4-bit layers and its head (final norm and output matrix), run over a pass
-/// in one call with the interpreter released. It holds the weight matrices and copies of the
+/// A model's int8, 4-bit or float32 layers and its head (final norm and output matrix), run
+/// over a pass in one call with the interpreter released. It holds the weight matrices and copies of the
 /// norms and biases: built again whenever the model's weights change.
-#[pyclass(frozen, name = "Int8Layers", module = "specfast._core")]
-pub struct PyInt8Layers {
+#[pyclass(frozen, name = "CoreLayers", module = "specfast._core")]
+pub struct PyCoreLayers {
     layers: Vec<Layer>,
     heads: usize,
     eps: f32,
@@ -115,9 +123,9 @@ pub struct PyInt8Layers {
 
 #[pymethods]
 #[allow(clippy::needless_pass_by_value)] // numpy's borrowed arrays are extracted by value
-impl PyInt8Layers {
+impl PyCoreLayers {
     /// layers: per layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down), the
-    /// norms and bias float32 arrays, the others Int8Matrix or Q4Matrix; heads: query heads;
+    /// norms and bias float32 arrays, the others Int8Matrix, Q4Matrix or FloatMatrix; heads: query heads;
     /// norm (dim,) and output (V, dim): the final norm and the vocabulary projection.
     #[new]
     fn new(
@@ -144,7 +152,7 @@ impl PyInt8Layers {
                 })
             })
             .collect::<PyResult<Vec<Layer>>>()?;
-        Ok(PyInt8Layers {
+        Ok(PyCoreLayers {
             layers,
             heads,
             eps,
@@ -216,7 +224,7 @@ fn caches<'py, E: Element>(
     )))
 }
 
-impl PyInt8Layers {
+impl PyCoreLayers {
     fn run<E: Element + Elem>(
         &self,
         py: Python<'_>,
@@ -285,6 +293,6 @@ impl PyInt8Layers {
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyInt8Layers>()?;
+    m.add_class::<PyCoreLayers>()?;
     Ok(())
 }

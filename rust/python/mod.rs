@@ -9,6 +9,7 @@ use crate::error::Error;
 mod accept;
 mod attention;
 mod drafter;
+mod float;
 mod int8;
 mod layer;
 mod q4;
@@ -47,6 +48,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     drafter::register(m)?;
     accept::register(m)?;
     attention::register(m)?;
+    float::register(m)?;
     int8::register(m)?;
     layer::register(m)?;
     q4::register(m)?;

@@ -38,7 +38,7 @@ from specfast.formats.gguf import llama_embedding
 from specfast.targets.base import default_aux_layers
 from specfast.targets.hf import is_hf_model
 from specfast.targets.llama_cpp import check_layer_inputs, is_llama
-from specfast.targets.torch.int8 import int8_linear, quantize
+from specfast.targets.torch.int8 import core_linear, quantize
 from specfast.targets.torch.model import (
     HAS_MKLDNN_LINEAR,
     Model,
@@ -449,7 +449,7 @@ class FastLinears:
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
-            return int8_linear(x, self.int8[name])
+            return core_linear(x, self.int8[name])
         return linear(x, self.weights[name], self.packed[name])
 
 

@@ -1,10 +1,13 @@
-"""Quantized weights on CPU: the Rust kernels' glue, and which weights "auto" picks on this CPU.
+"""The core's CPU weight matrices: the Rust kernels' glue, and which weights "auto" picks on
+this CPU.
 
-Weights are int8 with one scale per output row (`specfast._core.Int8Matrix`), or 4-bit as
-llama.cpp's Q4_1 (`specfast._core.Q4Matrix`: per group of 32 inputs a scale and a minimum); each
-activation row is quantized with its own scales at every call. So a row's logits never depend on
-the other rows of a pass: a verify pass over k+1 tokens gives exactly what k+1 one-token passes
-give, which keeps a quantized model's speculative output equal to its own plain output.
+float32 weights (`specfast._core.FloatMatrix`) keep their values, and each output is one fixed
+sum whatever the number of rows. Quantized weights are int8 with one scale per output row
+(`specfast._core.Int8Matrix`), or 4-bit as llama.cpp's Q4_1 (`specfast._core.Q4Matrix`: per
+group of 32 inputs a scale and a minimum); each activation row is quantized with its own scales
+at every call. So a row's logits never depend on the other rows of a pass: a verify pass over
+k+1 tokens gives exactly what k+1 one-token passes give, which keeps the model's speculative
+output equal to its own plain output.
 
 `load_model(weights="auto")` picks int8, or q4 where the file's layer matrices are 4-bit already
 (so auto never stores fewer bits than the file), where a timed decode step says it is faster than
@@ -25,14 +28,14 @@ from typing import Any
 
 import torch
 
-from specfast._core import Int8Matrix, Q4Matrix, int8_kernel
+from specfast._core import FloatMatrix, Int8Matrix, Q4Matrix, int8_kernel
 from specfast.hardware import proc_cpu_flags
 
 WEIGHTS_CHOICES = ("auto", "float", "int8", "q4")
 # The weight kinds the core runs, with int8 activations.
 QUANTIZED = ("int8", "q4")
 # Part of the cache key of "auto"'s timings: bump it when the int8 path's speed changes.
-KERNEL_VERSION = 5
+KERNEL_VERSION = 6
 # Passes of up to this many tokens run torch's own ops on one thread: the core splits its
 # products with its own helper thread (rust/helper.rs), and torch's OpenMP workers spinning
 # between ops beside it made a SmolLM2 decode step 300+ ms instead of 20 (2 cores).
@@ -65,8 +68,10 @@ def quantize(weight: torch.Tensor, kind: str = "int8") -> Int8Matrix | Q4Matrix:
     return Q4Matrix(w) if kind == "q4" else Int8Matrix(w)
 
 
-def dequantize(m: Int8Matrix | Q4Matrix) -> torch.Tensor:
-    """The float32 (N, K) matrix a quantized one stands for."""
+def dequantize(m: Int8Matrix | Q4Matrix | FloatMatrix) -> torch.Tensor:
+    """The float32 (N, K) matrix a core matrix stands for."""
+    if isinstance(m, FloatMatrix):
+        return torch.from_numpy(m.weights())
     if isinstance(m, Q4Matrix):
         q, d, mins = (torch.from_numpy(a) for a in m.parts())  # (N, K), (N, G), (N, G)
         groups = torch.arange(m.cols) // 32
@@ -75,8 +80,9 @@ def dequantize(m: Int8Matrix | Q4Matrix) -> torch.Tensor:
     return torch.from_numpy(q).float() * torch.from_numpy(scales)[:, None]
 
 
-def int8_linear(x: torch.Tensor, m: Int8Matrix | Q4Matrix) -> torch.Tensor:
-    """x (..., K) @ W.T -> (..., N) in x's dtype; the product runs in float32 activations."""
+def core_linear(x: torch.Tensor, m: Int8Matrix | Q4Matrix | FloatMatrix) -> torch.Tensor:
+    """x (..., K) @ W.T -> (..., N) in x's dtype, through the core's product of `m`; the
+    product runs in float32 activations."""
     x2 = x.reshape(-1, m.cols)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from specfast._core import Int8Layers
+from specfast._core import CoreLayers
 from specfast.hardware import auto_dtype
 from specfast.targets.base import (
     argmax_array,
@@ -31,11 +31,12 @@ from specfast.targets.base import (
 from specfast.targets.torch.int8 import (
     INT8_SERIAL_ROWS,
     QUANTIZED,
+    FloatMatrix,
     Int8Matrix,
     Q4Matrix,
+    core_linear,
     dequantize,
     int8_kernel,
-    int8_linear,
     quantize,
     torch_threads,
 )
@@ -171,8 +172,8 @@ def linear(x, weight, packed=None, bias=None):
     """F.linear, through a oneDNN-prepacked weight or an int8 matrix if given."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if isinstance(packed, (Int8Matrix, Q4Matrix)):
-        y = int8_linear(x, packed)
+    if isinstance(packed, (Int8Matrix, Q4Matrix, FloatMatrix)):
+        y = core_linear(x, packed)
         return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -331,7 +332,7 @@ class Model(nn.Module):
         self._packed: list | None = None  # oneDNN-prepacked CPU weights, built on first use
         self._plain_released = False  # the packed copy replaced the plain weights
         self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
-        self._stack: tuple = (None, None)  # (packing, its Int8Layers): see _int8_stack
+        self._stack: tuple = (None, None)  # (packing, its CoreLayers): see _core_stack
         self.prepack = True
         self.weight_kind = "float"  # "int8" or "q4" after quantize_int8
         self._kv_dtype: torch.dtype | None = None  # kv_dtype's choice; None: by weights
@@ -346,7 +347,8 @@ class Model(nn.Module):
 
     def extra_repr(self) -> str:
         step = "compiled" if self.compiled_step is not None else "eager"
-        weights = f"{self.weight_kind} ({int8_kernel()})" if self.int8 else "float"
+        kernel = int8_kernel() if self.in_core else "oneDNN" if self.prepack else "torch"
+        weights = f"{self.weight_kind} ({kernel})"
         return (
             f"dtype={self.dtype}, weights={weights}, kv_dtype={self.kv_dtype}, "
             f"device={self.device}, step={step}"
@@ -364,19 +366,24 @@ class Model(nn.Module):
 
     @property
     def in_core(self) -> bool:
-        """True where passes run wholly in the core (rust/layer.rs): int8 or q4 weights with
-        float32 activations on CPU, over a cache of CORE_CACHE_DTYPES."""
-        return self.int8 and self.dtype == torch.float32 and self.device.type == "cpu"
+        """True where passes run wholly in the core (rust/layer.rs), over a cache of
+        CORE_CACHE_DTYPES: float32 activations on CPU, with int8 or q4 weights, or with float32
+        weights (`FloatMatrix`) unless `prepack` is off or the passes run compiled steps."""
+        cpu32 = self.dtype == torch.float32 and self.device.type == "cpu"
+        return cpu32 and (self.int8 or (self.prepack and self.compiled_step is None))
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The dtype of a decoder's KV cache: float16 where the passes run in the core (int8 or
-        q4 weights, float32 activations, CPU), the model's dtype elsewhere. Set it to
-        torch.float32 for a core cache of full precision (twice the bytes a pass reads), or to
-        None for the default; new decoders take it."""
+        """The dtype of a decoder's KV cache: float16 where an int8 or q4 model's passes run in
+        the core, the model's dtype elsewhere. Where passes run in the core, set it to
+        torch.float16 or torch.float32 (a float16 cache halves what a pass reads at long
+        context, and rounds each key and value once), or to None for the default; new decoders
+        take it."""
         if not self.in_core:
             return self.dtype
-        return torch.float16 if self._kv_dtype is None else self._kv_dtype
+        if self._kv_dtype is None:
+            return torch.float16 if self.int8 else self.dtype
+        return self._kv_dtype
 
     @kv_dtype.setter
     def kv_dtype(self, dtype: torch.dtype | None) -> None:
@@ -503,7 +510,7 @@ class Model(nn.Module):
                 _to_placeholder(m)
             return p
 
-        if self.device.type == "cpu" and (self.int8 or (self.prepack and HAS_MKLDNN_LINEAR)):
+        if self.device.type == "cpu" and (self.in_core or (self.prepack and HAS_MKLDNN_LINEAR)):
             try:
                 for layer in self.layers:
                     packed.append(
@@ -547,11 +554,13 @@ class Model(nn.Module):
         for 16 rows (as fast as unpacked for 1 row, 1.5-2x faster for 4-16)."""
         if self.int8:
             return quantize(w, "int8" if head else self.weight_kind)
+        if self.in_core:
+            return FloatMatrix(w.detach().contiguous().numpy())
         return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
 
     def _unpacked(self, p) -> torch.Tensor:
         """The plain matrix a packed one stands for."""
-        if isinstance(p, (Int8Matrix, Q4Matrix)):
+        if isinstance(p, (Int8Matrix, Q4Matrix, FloatMatrix)):
             return dequantize(p).to(self.dtype)
         return p.to_dense()
 
@@ -627,7 +636,7 @@ class Model(nn.Module):
         Writes the T new keys/values into the cache; does not move its length. Shapes follow the
         context: the eager path, for prefill and for CPU decoding.
         """
-        if self.int8 and ids.shape[0] <= INT8_SERIAL_ROWS:
+        if self.in_core and ids.shape[0] <= INT8_SERIAL_ROWS:
             with torch_threads(1):
                 return self._forward(ids, cache, pos, last_only, head, aux_layers)
         return self._forward(ids, cache, pos, last_only, head, aux_layers)
@@ -655,7 +664,7 @@ class Model(nn.Module):
         if self.in_core and cache.k.dtype in CORE_CACHE_DTYPES:
             rows = 1 if last_only else T
             logits = None if head is not None else torch.empty(rows, self.vocab_size)
-            x = self._int8_layers(self.embed(ids), cos, sin, packed, aux, cache, pos, logits)
+            x = self._core_layers(self.embed(ids), cos, sin, packed, aux, cache, pos, logits)
             if logits is None:
                 logits = self._head(x[-1:] if last_only else x, head, packed)
             return logits if aux is None else (logits, _features(aux, aux_layers))
@@ -730,8 +739,8 @@ class Model(nn.Module):
             x = x + linear(F.silu(gate) * up, layer.w_down.weight, pw[3])
         return x
 
-    def _int8_layers(self, x, cos, sin, packed, aux, cache, pos, logits=None) -> torch.Tensor:
-        """_layers for int8 weights in float32 on CPU: the whole stack in one core call, in
+    def _core_layers(self, x, cos, sin, packed, aux, cache, pos, logits=None) -> torch.Tensor:
+        """_layers for a model whose passes run in the core: the whole stack in one call, in
         place on x (T, D). cos, sin (T, 1, hd). `logits` (R, V), if given, gets the head's
         logits for the last R rows from the same call."""
         x = x.float().contiguous()  # (T, D)
@@ -740,13 +749,13 @@ class Model(nn.Module):
         feats = torch.empty(len(ids), *x.shape)  # (n, T, D): the input of each aux layer
         kv = cache.k.numpy(), cache.v.numpy()
         out = None if logits is None else logits.numpy()
-        self._int8_stack(packed).forward(x.numpy(), cos, sin, *kv, pos, ids, feats.numpy(), out)
+        self._core_stack(packed).forward(x.numpy(), cos, sin, *kv, pos, ids, feats.numpy(), out)
         for i, f in zip(ids, feats, strict=True):
             aux[i] = f
         return x
 
-    def _int8_stack(self, packed) -> Int8Layers:
-        """The core's stack of this model's int8 layers, made once per packing (making the
+    def _core_stack(self, packed) -> CoreLayers:
+        """The core's stack of this model's layers, made once per packing (making the
         arguments of 30 layer calls took ~1 ms of a small model's pass)."""
         if self._stack[0] is not packed:
             args = []
@@ -756,7 +765,7 @@ class Model(nn.Module):
                 attn, ffn = layer.attn_norm.detach().numpy(), layer.ffn_norm.detach().numpy()
                 args.append((attn, qkv, bias, o, ffn, gate_up, down))
             c, norm = self.config, self.norm.detach().numpy()
-            self._stack = (packed, Int8Layers(args, c.n_heads, c.norm_eps, norm, packed[-1]))
+            self._stack = (packed, CoreLayers(args, c.n_heads, c.norm_eps, norm, packed[-1]))
         return self._stack[1]
 
     def _head(self, x, head, packed) -> torch.Tensor:
@@ -838,10 +847,10 @@ class Decoder:
     @property
     def torch_threads(self) -> int | None:
         """Threads torch's own ops of a generation round should use, or None for torch's. An
-        int8 model's passes run in the core, whose helper thread spins on the second core all
-        through a generation: beside it, torch's argmax over two rows waited 3-6 ms for its
-        second thread (2-core Xeon VM)."""
-        return 1 if self.model.int8 else None
+        model's passes that run in the core use its helper thread, which spins on the second
+        core all through a generation: beside it, torch's argmax over two rows waited 3-6 ms for
+        its second thread (2-core Xeon VM)."""
+        return 1 if self.model.in_core else None
 
     def forward(
         self,
@@ -891,8 +900,8 @@ class Decoder:
 
     def _core_arrays(self) -> tuple | None:
         """(the core's layer stack, embedding (V, D), cos and sin tables (at least max_length
-        rows), keys, values) as NumPy arrays where a pass runs wholly in the core (int8 or q4
-        weights, float32, CPU: see Model._forward), else None. Kept while the packing and the
+        rows), keys, values) as NumPy arrays where a pass runs wholly in the core (float32 on
+        CPU: see Model.in_core), else None. Kept while the packing and the
         embedding stay the same objects."""
         m = self.model
         k, v = self.cache.k, self.cache.v
@@ -901,7 +910,7 @@ class Decoder:
         packed, embed = m.packed_weights(), m.embed.weight
         if self._core is None or self._core[0] is not packed or self._core[1] is not embed:
             cos, sin = m.rope(self.max_length)
-            arrays = (m._int8_stack(packed), embed.detach().numpy())
+            arrays = (m._core_stack(packed), embed.detach().numpy())
             arrays += (cos.numpy(), sin.numpy(), k.numpy(), v.numpy())
             self._core = (packed, embed, arrays)
         return self._core[2]
