@@ -306,10 +306,17 @@ def test_level2_sampling_through_the_compiled_step():
 # dtype="auto"
 
 
-def test_auto_dtype_follows_the_bf16_probe(monkeypatch):
-    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+def test_auto_dtype_follows_the_amx_bf16_probe(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_has_amx_bf16", lambda: False)
     assert resolve_dtype("auto", "cpu") == torch.float32
-    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(hardware, "cpu_has_amx_bf16", lambda: True)
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    # AVX512-BF16 without AMX (a Zen 4): float32, whose passes run in the core
+    feats = {"avx2": True, "avx512_f": True, "avx512_bf16": True, "amx_bf16": False}
+    monkeypatch.undo()
+    monkeypatch.setattr(hardware, "cpu_features", lambda: feats)
+    assert hardware.cpu_has_native_bf16() and resolve_dtype("auto", "cpu") == torch.float32
+    feats["amx_bf16"] = True
     assert resolve_dtype("auto", "cpu") == torch.bfloat16
     assert resolve_dtype("float32", "cpu") == torch.float32  # explicit is honoured
     assert resolve_dtype(torch.bfloat16) == torch.bfloat16
@@ -325,7 +332,7 @@ def test_native_bf16_means_avx512_bf16_or_amx(monkeypatch):
 
 
 def test_load_model_auto_sets_model_dtype(monkeypatch, tmp_path):
-    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_has_amx_bf16", lambda: False)
     model = tiny()
     assert "dtype=torch.float32" in repr(model) and "step=eager" in repr(model)
     assert steps.resolve_compile("auto", torch.device("cpu")) is False

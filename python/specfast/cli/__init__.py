@@ -362,8 +362,7 @@ def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=DTYPE_CHOICES,
         default="auto",
-        help="auto (default): bf16 on CUDA, and on CPUs with native bf16 (AVX512-BF16/AMX); "
-        "else float32",
+        help="auto (default): bf16 on CUDA and on CPUs with AMX-BF16, else float32",
     )
     parser.add_argument(
         "--compile",

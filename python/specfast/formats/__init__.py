@@ -33,10 +33,10 @@ def load_model(
     """A GGUF file or a HF checkpoint folder (config.json + *.safetensors) -> Model.
 
     path=None loads the default model (SmolLM2-135M-Instruct). dtype "auto" picks by hardware:
-    bf16 on CUDA (fp16 without bf16), on CPU bf16 only with native bf16 (AVX512-BF16 or AMX),
-    else float32; "float32" | "bfloat16" | "float16" are honoured as given. `model.dtype` is
-    the dtype chosen. compile "auto" | "on" | "off": "auto" compiles the decode and verify
-    steps on CUDA (static shapes, CUDA graphs) and runs eager on CPU, where it measured faster.
+    bf16 on CUDA (fp16 without bf16), on CPU bf16 only with AMX-BF16, else float32; "float32" |
+    "bfloat16" | "float16" are honoured as given. `model.dtype` is the dtype chosen. compile
+    "auto" | "on" | "off": "auto" compiles the decode and verify steps on CUDA (static shapes,
+    CUDA graphs) and runs eager on CPU, where it measured faster.
     A compiled model is warmed up here, every step compiled (a progress line per step on
     stderr), for one KV capacity: `max_length` tokens (prompt and new tokens; None: the
     context, up to 4095), so no generate() that fits compiles inside its clock.

@@ -59,7 +59,7 @@ def resolve_dtype(dtype, device=None) -> torch.dtype:
     """'auto' | 'float32' | 'bfloat16' | 'float16' (or the torch dtype) -> torch.dtype.
 
     "auto" picks by hardware (specfast.hardware.auto_dtype): bf16 on CUDA (fp16 without bf16),
-    and on CPU bf16 only where the CPU has native bf16, else float32.
+    and on CPU bf16 only where the CPU has AMX-BF16, else float32.
     """
     if isinstance(dtype, torch.dtype) and dtype in set(_DTYPES.values()):
         return dtype
