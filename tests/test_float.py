@@ -1,6 +1,7 @@
 """float32 weights in the core (`FloatMatrix`): the product against a float64 reference, rows
 that never depend on each other, and a float32 CPU model whose passes run in the core and whose
-speculative output equals its own plain output."""
+speculative output equals its own plain output. (Bad arguments, the torch glue, and a verify
+pass against one-token passes: test_int8.py, for every core matrix.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from conftest import CPU_KERNELS
 import specfast
 from specfast import Model, ModelConfig
 from specfast._core import FloatMatrix
-from specfast.targets.torch.int8 import core_linear, dequantize
+from specfast.targets.torch.int8 import dequantize
 
 
 def check_product(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
@@ -68,23 +69,6 @@ def test_rows_do_not_depend_on_each_other():
     assert not np.array_equal(seq, out)
 
 
-def test_bad_input_is_a_clear_error():
-    m = FloatMatrix(np.ones((4, 8), np.float32))
-    with pytest.raises(ValueError, match=r"x must be \(n, 8\)"):
-        m.matmul(np.ones((2, 7), np.float32), np.empty((2, 4), np.float32))
-    with pytest.raises(ValueError, match="C-contiguous"):
-        m.matmul(np.ones((8, 2), np.float32).T, np.empty((2, 4), np.float32))
-    with pytest.raises(TypeError):
-        m.matmul(np.ones((2, 8), np.float64), np.empty((2, 4), np.float32))
-    with pytest.raises(ValueError, match="kernel must be"):
-        m.matmul(np.ones((2, 8), np.float32), np.empty((2, 4), np.float32), "fast")
-    with pytest.raises(ValueError, match="at least one row"):
-        FloatMatrix(np.ones((0, 8), np.float32))
-    x = torch.randn(40, 6).t()  # (6, 40), not contiguous: the torch glue copies it
-    m = FloatMatrix(torch.randn(48, 40).numpy())
-    assert torch.equal(core_linear(x, m), core_linear(x.contiguous(), m))
-
-
 # -----------------------------------------------------------------------------
 # models
 
@@ -99,7 +83,8 @@ def tiny_model() -> Model:
 def test_a_float32_cpu_model_runs_in_the_core():
     """Its matrices are FloatMatrix and its passes one call into the core, over a float32
     cache; with prepack off torch runs them (F.linear), and the logits agree to float32
-    rounding."""
+    rounding. (A verify pass equals one-token passes bit for bit, and greedy passes through
+    the core equal forward's argmax: test_int8.py, for every core weight kind.)"""
     model = tiny_model()
     assert model.in_core and model.kv_dtype == torch.float32
     assert all(isinstance(p, FloatMatrix) for p in model.packed_weights()[0])
@@ -110,18 +95,6 @@ def test_a_float32_cpu_model_runs_in_the_core():
     plain.prepack = False
     assert not plain.in_core and "weights=float (torch)" in repr(plain)
     torch.testing.assert_close(core, plain.decoder(64).forward(ids), atol=1e-4, rtol=1e-4)
-
-
-def test_a_verify_pass_equals_one_token_passes_bit_for_bit():
-    model = tiny_model()
-    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1))
-    for pos, T in ((50, 17), (60, 9), (100, 2), (100, 1)):
-        d = model.decoder(256)
-        d.forward(ids[:pos])
-        whole = d.forward(ids[pos : pos + T])
-        d.rollback(pos)
-        rows = torch.cat([d.forward(ids[pos + i : pos + i + 1]) for i in range(T)])
-        assert torch.equal(whole, rows), (pos, T)
 
 
 def test_float32_tiny_speculation_equals_its_own_plain_greedy():

@@ -11,7 +11,7 @@ from conftest import CPU_KERNELS
 
 import specfast
 from specfast import Model, ModelConfig
-from specfast._core import Int8Matrix, row_attention
+from specfast._core import FloatMatrix, Int8Matrix, Q4Matrix, row_attention
 from specfast.targets.base import argmax_rows
 from specfast.targets.torch.int8 import core_linear, dequantize
 
@@ -85,9 +85,13 @@ def test_rows_do_not_depend_on_each_other():
     assert not np.array_equal(expected(m, x, per_tensor=True), out)
 
 
-def test_strided_and_batched_inputs_through_the_torch_glue():
+CORE_MATRICES = [Int8Matrix, Q4Matrix, FloatMatrix]
+
+
+@pytest.mark.parametrize("matrix", CORE_MATRICES)
+def test_strided_and_batched_inputs_through_the_torch_glue(matrix):
     w = torch.randn(48, 40)
-    m = Int8Matrix(w.numpy())
+    m = matrix(w.numpy())
     x = torch.randn(40, 6).t()  # (6, 40), not contiguous
     y = core_linear(x, m)
     want = core_linear(x.contiguous(), m)
@@ -97,8 +101,9 @@ def test_strided_and_batched_inputs_through_the_torch_glue():
     assert core_linear(x.bfloat16(), m).dtype == torch.bfloat16
 
 
-def test_bad_input_is_a_clear_error():
-    m = Int8Matrix(np.ones((4, 8), np.float32))
+@pytest.mark.parametrize("matrix", CORE_MATRICES)
+def test_bad_input_is_a_clear_error(matrix):
+    m = matrix(np.ones((4, 8), np.float32))
     with pytest.raises(ValueError, match=r"x must be \(n, 8\)"):
         m.matmul(np.ones((2, 7), np.float32), np.empty((2, 4), np.float32))
     with pytest.raises(ValueError, match="C-contiguous"):
@@ -107,6 +112,12 @@ def test_bad_input_is_a_clear_error():
         m.matmul(np.ones((2, 8), np.float64), np.empty((2, 4), np.float32))
     with pytest.raises(ValueError, match="kernel must be"):
         m.matmul(np.ones((2, 8), np.float32), np.empty((2, 4), np.float32), "fast")
+    with pytest.raises(ValueError, match="at least one row"):
+        matrix(np.ones((0, 8), np.float32))
+
+
+def test_an_int8_matrix_refuses_non_finite_weights_and_gives_nan_rows():
+    m = Int8Matrix(np.ones((4, 8), np.float32))
     with pytest.raises(ValueError, match="finite"):
         Int8Matrix(np.array([[1.0, np.nan]], np.float32))
     x = np.ones((2, 8), np.float32)
@@ -146,11 +157,18 @@ def tiny_model() -> Model:
     return Model.from_config(cfg, seed=3)
 
 
-def test_a_verify_pass_equals_one_token_passes_bit_for_bit():
-    model = tiny_model().quantize_int8()
+def core_model(kind: str) -> Model:
+    """The tiny model with its passes in the core: float32, int8 or q4 weights."""
+    return tiny_model() if kind == "float" else tiny_model().quantize_int8(kind)
+
+
+@pytest.mark.parametrize("kind", ["float", "int8", "q4"])
+def test_a_verify_pass_equals_one_token_passes_bit_for_bit(kind):
+    model = core_model(kind)
+    assert model.in_core and model.weights == kind
     ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(0))
     # across a key bucket's edge (64) and inside one
-    for pos, T in ((50, 17), (60, 9), (100, 1)):
+    for pos, T in ((50, 17), (60, 9), (100, 2), (100, 1)):
         d = model.decoder(256)
         d.forward(ids[:pos])
         whole = d.forward(ids[pos : pos + T])
@@ -159,12 +177,12 @@ def test_a_verify_pass_equals_one_token_passes_bit_for_bit():
         assert torch.equal(whole, rows), (pos, T)
 
 
-@pytest.mark.parametrize("kind", ["int8", "q4"])
+@pytest.mark.parametrize("kind", ["float", "int8", "q4"])
 def test_greedy_passes_equal_the_argmax_of_full_passes(kind):
     """A core model's forward_greedy calls the core with NumPy arrays and no torch op
     (Decoder._core_greedy): pass after pass, of several sizes, its ids and the cache it
     leaves are forward()'s."""
-    model = tiny_model().quantize_int8(kind)
+    model = core_model(kind)
     ids = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(6))
     greedy, full = model.decoder(96), model.decoder(96)
     pos = 0

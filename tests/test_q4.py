@@ -126,21 +126,10 @@ def tiny_model() -> Model:
     return Model.from_config(cfg, seed=3)
 
 
-def test_a_verify_pass_equals_one_token_passes_bit_for_bit():
+def test_q4_layers_and_an_int8_head():
+    """(A verify pass equals one-token passes: test_int8.py, for every core weight kind.)"""
     model = tiny_model().quantize_int8("q4")
     assert model.weights == "q4" and "q4" in repr(model)
-    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(0))
-    for pos, T in ((50, 17), (60, 9), (100, 1)):
-        d = model.decoder(256)
-        d.forward(ids[:pos])
-        whole = d.forward(ids[pos : pos + T])
-        d.rollback(pos)
-        rows = torch.cat([d.forward(ids[pos + i : pos + i + 1]) for i in range(T)])
-        assert torch.equal(whole, rows), (pos, T)
-
-
-def test_q4_layers_and_an_int8_head():
-    model = tiny_model().quantize_int8("q4")
     packed = model.packed_weights()
     assert all(type(p).__name__ == "Q4Matrix" for layer in packed[:-1] for p in layer)
     assert type(packed[-1]).__name__ == "Int8Matrix"
