@@ -800,7 +800,8 @@ def test_smollm_greedy_with_the_shipped_head_is_plain_greedy(smollm, k):
     plain = specfast.generate(smollm, ids, max_new_tokens=40, drafter=None).token_ids
     out = specfast.generate(smollm, ids, max_new_tokens=40, drafter=head, num_speculative_tokens=k)
     assert out.token_ids == plain
-    assert out.stats.accepted_tokens > 0  # the head drafted, and some drafts were right
+    if k != "auto":  # auto k may judge the head not worth its cost here: wall-clock timings
+        assert out.stats.accepted_tokens > 0  # the head drafted, and some drafts were right
     if k == "auto":  # "eagle" is the same head, loaded by name
         by_name = specfast.generate(smollm, ids, max_new_tokens=40, drafter="eagle")
         assert by_name.token_ids == plain
