@@ -250,15 +250,19 @@ fn peak_rates() {
 #[cfg(not(target_arch = "x86_64"))]
 fn peak_rates() {}
 
-fn products() {
+/// (seed, (rows, cols)) of SmolLM2-135M's 120 layer matrices: qkv, o, gate-up, down.
+fn layer_matrices() -> impl Iterator<Item = (u64, (usize, usize))> {
     let layer = [(960usize, 576usize), (576, 576), (3072, 576), (576, 1536)];
-    let mats: Vec<Q4Matrix> = (0..30u64)
-        .flat_map(|l| {
-            layer
-                .iter()
-                .enumerate()
-                .map(move |(i, &rc)| (l * 4 + i as u64, rc))
-        })
+    (0..30u64).flat_map(move |l| {
+        layer
+            .into_iter()
+            .enumerate()
+            .map(move |(i, rc)| (l * 4 + i as u64, rc))
+    })
+}
+
+fn products() {
+    let mats: Vec<Q4Matrix> = layer_matrices()
         .map(|(seed, (r, c))| Q4Matrix::quantize(&values(seed, r * c), r, c).unwrap())
         .collect();
     let head = Int8Matrix::quantize(&values(999, 49_152 * 576), 49_152, 576).unwrap();
@@ -356,14 +360,7 @@ fn attention() {
 /// The same 120 layer matrices and the output matrix in float32 (`FloatMatrix`): the product of
 /// a float model, at 1-16 rows.
 fn float_products() {
-    let layer = [(960usize, 576usize), (576, 576), (3072, 576), (576, 1536)];
-    let mut mats: Vec<FloatMatrix> = (0..30u64)
-        .flat_map(|l| {
-            layer
-                .iter()
-                .enumerate()
-                .map(move |(i, &rc)| (l * 4 + i as u64, rc))
-        })
+    let mut mats: Vec<FloatMatrix> = layer_matrices()
         .map(|(seed, (r, c))| FloatMatrix::new(&values(seed, r * c), r, c).unwrap())
         .collect();
     mats.push(FloatMatrix::new(&values(999, 49_152 * 576), 49_152, 576).unwrap());

@@ -210,6 +210,8 @@ def test_an_int8_model_in_float16_runs_its_passes_through_torch():
     """The core takes float32 activations: an int8 model in float16 (whose float16 cache is
     also a core cache dtype) runs its passes through torch instead of failing in the core."""
     model = tiny_model().to(torch.float16).quantize_int8()
+    model.prepack = False  # oneDNN's switch: int8 products stay the core's
+    assert isinstance(model.packed_weights()[0][0], Int8Matrix)
     d = model.decoder(32)
     logits = d.forward(torch.arange(5))
     assert logits.shape == (5, 300) and torch.isfinite(logits).all()

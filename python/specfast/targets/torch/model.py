@@ -169,7 +169,7 @@ HAS_MKLDNN_LINEAR = (
 
 
 def linear(x, weight, packed=None, bias=None):
-    """F.linear, through a oneDNN-prepacked weight or an int8 matrix if given."""
+    """F.linear, through a oneDNN-prepacked weight or a core matrix if given."""
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, (Int8Matrix, Q4Matrix, FloatMatrix)):
@@ -329,7 +329,7 @@ class Model(nn.Module):
         self.eos_token_ids: list[int] = []
         self.chat_template: str | None = None
         self._rope_cache: dict = {}
-        self._packed: list | None = None  # oneDNN-prepacked CPU weights, built on first use
+        self._packed: list | None = None  # packed CPU weights (packed_weights), built on first use
         self._plain_released = False  # the packed copy replaced the plain weights
         self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
         self._stack: tuple = (None, None)  # (packing, its CoreLayers): see _core_stack
@@ -347,7 +347,8 @@ class Model(nn.Module):
 
     def extra_repr(self) -> str:
         step = "compiled" if self.compiled_step is not None else "eager"
-        kernel = int8_kernel() if self.in_core else "oneDNN" if self.prepack else "torch"
+        packing = self._packing()
+        kernel = int8_kernel() if packing == "core" else packing or "torch"
         weights = f"{self.weight_kind} ({kernel})"
         return (
             f"dtype={self.dtype}, weights={weights}, kv_dtype={self.kv_dtype}, "
@@ -371,6 +372,16 @@ class Model(nn.Module):
         weights (`FloatMatrix`) unless `prepack` is off or the passes run compiled steps."""
         cpu32 = self.dtype == torch.float32 and self.device.type == "cpu"
         return cpu32 and (self.int8 or (self.prepack and self.compiled_step is None))
+
+    def _packing(self) -> str | None:
+        """What packed_weights() packs the matrices for on CPU: "core" (int8 or q4 weights, or
+        float32 passes in the core), "oneDNN" (other dtypes, with prepack), or None (torch reads
+        the plain weights)."""
+        if self.device.type != "cpu":
+            return None
+        if self.int8 or self.in_core:
+            return "core"
+        return "oneDNN" if self.prepack and HAS_MKLDNN_LINEAR else None
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -482,8 +493,9 @@ class Model(nn.Module):
     # -- CPU weight prepacking
 
     def packed_weights(self) -> list | None:
-        """Per layer (wqkv, wo, w_gate_up, w_down) and then lm_head, as oneDNN-blocked weights
-        (or as int8 matrices after `quantize_int8()`).
+        """Per layer (wqkv, wo, w_gate_up, w_down) and then lm_head, as the core's matrices where
+        passes run in the core (float32 on CPU: FloatMatrix, or int8 and q4 after
+        `quantize_int8()`), else as oneDNN-blocked weights (`_packing`).
 
         On CPU, a plain F.linear makes oneDNN re-lay out a bf16 weight on every call, and MKL's
         fp32 GEMM gets slow for 2-16 rows. Prepacked weights make a forward over 1-16 tokens cost
@@ -510,7 +522,7 @@ class Model(nn.Module):
                 _to_placeholder(m)
             return p
 
-        if self.device.type == "cpu" and (self.in_core or (self.prepack and HAS_MKLDNN_LINEAR)):
+        if self._packing() is not None:
             try:
                 for layer in self.layers:
                     packed.append(
@@ -550,8 +562,8 @@ class Model(nn.Module):
         self._plain_released = False
 
     def _pack(self, w: torch.Tensor, head: bool = False):
-        """One matrix as packed_weights() holds it: int8 or q4 (the head int8), or oneDNN-blocked
-        for 16 rows (as fast as unpacked for 1 row, 1.5-2x faster for 4-16)."""
+        """One matrix as packed_weights() holds it: int8 or q4 (the head int8), FloatMatrix, or
+        oneDNN-blocked for 16 rows (as fast as unpacked for 1 row, 1.5-2x faster for 4-16)."""
         if self.int8:
             return quantize(w, "int8" if head else self.weight_kind)
         if self.in_core:
