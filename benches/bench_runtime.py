@@ -11,6 +11,7 @@ too, so a slow compile or an out-of-memory loses only its own row.
     python benches/bench_runtime.py                          # SmolLM2 from its GGUF, auto dtype
     python benches/bench_runtime.py --dtype float32 bfloat16 --compile
     python benches/bench_runtime.py --weights float int8 q4 --ns 1 2 4 8 9 16  # CPU int8, q4
+    python benches/bench_runtime.py --weights q4 --ns 1 9 --interleave   # t(9)/t(1), side by side
     python benches/bench_runtime.py --device cuda --shapes smollm2-135m qwen2.5-1.5b \\
         --steps eager compiled --jsonl rows.jsonl            # random weights of real shapes
 
@@ -118,9 +119,9 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
-def bucket_time(dec, feed: torch.Tensor, repeats: int, sync_check: bool) -> tuple[float, float]:
-    """(warm-up seconds, median seconds of one pass) for the pass over `feed` after CONTEXT
-    tokens. The warm-up compiles the bucket and records its CUDA graph (3 passes)."""
+def warm_up(dec, feed: torch.Tensor, sync_check: bool) -> float:
+    """Seconds of 3 passes over `feed` after CONTEXT tokens, which compile the bucket and
+    record its CUDA graph."""
     device = feed.device
     t0 = time.perf_counter()
     for _ in range(3):
@@ -136,15 +137,34 @@ def bucket_time(dec, feed: torch.Tensor, repeats: int, sync_check: bool) -> tupl
             dec.forward_greedy(feed)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    samples = []
+    return warmup
+
+
+def pass_time(dec, feed: torch.Tensor) -> float:
+    """Seconds of one pass over `feed` after CONTEXT tokens."""
+    dec.rollback(CONTEXT)
+    sync(feed.device)
+    t = time.perf_counter()
+    dec.forward_greedy(feed)
+    sync(feed.device)
+    return time.perf_counter() - t
+
+
+def bucket_time(dec, feed: torch.Tensor, repeats: int, sync_check: bool) -> tuple[float, float]:
+    """(warm-up seconds, median seconds of one pass) for the pass over `feed`."""
+    warmup = warm_up(dec, feed, sync_check)
+    return warmup, statistics.median(pass_time(dec, feed) for _ in range(repeats))
+
+
+def interleaved_times(dec, feeds: list[torch.Tensor], repeats: int) -> list[float]:
+    """Median seconds of one pass over each of `feeds` (warmed up), the passes taken in turn,
+    one of each per round: on a machine whose speed drifts from minute to minute every bucket
+    then sees the same minutes, so their ratios hold where their times do not."""
+    samples: list[list[float]] = [[] for _ in feeds]
     for _ in range(repeats):
-        dec.rollback(CONTEXT)
-        sync(device)
-        t = time.perf_counter()
-        dec.forward_greedy(feed)
-        sync(device)
-        samples.append(time.perf_counter() - t)
-    return warmup, statistics.median(samples)
+        for feed, times in zip(feeds, samples, strict=True):
+            times.append(pass_time(dec, feed))
+    return [statistics.median(times) for times in samples]
 
 
 def summary(row: dict) -> str:
@@ -180,9 +200,27 @@ class Rows:
                 f.write(json.dumps(row) + "\n")
 
 
-def measure(rows: Rows, shape, dtype_name, step, device, ns, repeats, weights="float") -> None:
+def finished(row: dict, t: float, first: float | None, warmup: float, device, bw: float) -> dict:
+    """`row` with its pass time `t` and what follows from it (first: the n=1 time, if any)."""
+    return {
+        **row,
+        "seconds": t,
+        "vs_n1": None if first is None else t / first,
+        "fraction_of_bound": row["bound_seconds"] / t,
+        "warmup_seconds": warmup,
+        "peak_bytes": peak_bytes(device),
+        "cudagraph_skips": cudagraph_skips(),
+        "copy_bytes_per_s": bw,
+    }
+
+
+def measure(
+    rows: Rows, shape, dtype_name, step, device, ns, repeats, weights="float", interleave=False
+) -> None:
     """Every bucket of one (model, dtype, step, weights), a row each; any failure becomes a
-    row. int8 and q4 weights run with float32 activations, whatever `dtype_name` says."""
+    row. int8 and q4 weights run with float32 activations, whatever `dtype_name` says. With
+    `interleave`, the buckets' timed passes alternate (`interleaved_times`) and their rows come
+    at the end."""
     from torch._dynamo.utils import counters
 
     import specfast
@@ -214,26 +252,35 @@ def measure(rows: Rows, shape, dtype_name, step, device, ns, repeats, weights="f
         rows.add({**base, "error": f"{type(e).__name__}: {e}"[:500]})
         return
     first = None
+    warm: list[tuple[dict, float]] = []  # (row so far, warm-up seconds), with --interleave
     for n in ns:
         row = {**base, "n": n, "weight_bytes": wb, "bound_seconds": bound}
+        feed = ids[CONTEXT : CONTEXT + n]
         try:
-            warmup, t = bucket_time(dec, ids[CONTEXT : CONTEXT + n], repeats, step == "compiled")
+            if interleave:
+                warm.append((row, warm_up(dec, feed, step == "compiled")))
+                continue
+            warmup, t = bucket_time(dec, feed, repeats, step == "compiled")
         except Exception as e:
             rows.add({**row, "error": f"{type(e).__name__}: {e}"[:500]})
             if isinstance(e, torch.cuda.OutOfMemoryError):
                 break
             continue
         first = t if n == 1 else first
-        row.update(
-            seconds=t,
-            vs_n1=None if first is None else t / first,
-            fraction_of_bound=bound / t,
-            warmup_seconds=warmup,
-            peak_bytes=peak_bytes(device),
-            cudagraph_skips=cudagraph_skips(),
-            copy_bytes_per_s=bw,
-        )
-        rows.add(row)
+        rows.add(finished(row, t, first, warmup, device, bw))
+    if warm:
+        feeds = [ids[CONTEXT : CONTEXT + row["n"]] for row, _ in warm]
+        try:
+            times = interleaved_times(dec, feeds, repeats)
+        except Exception as e:
+            times = None
+            for row, _ in warm:
+                rows.add({**row, "error": f"{type(e).__name__}: {e}"[:500]})
+        if times is not None:
+            timed = [(row, warmup, t) for (row, warmup), t in zip(warm, times, strict=True)]
+            first = next((t for row, _, t in timed if row["n"] == 1), None)
+            for row, warmup, t in timed:
+                rows.add(finished(row, t, first, warmup, device, bw))
     del model, dec
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -251,6 +298,12 @@ def main(argv=None) -> dict:
     p.add_argument("--weights", nargs="+", choices=("float", "int8", "q4"), default=["float"])
     p.add_argument("--json", help="write every row here at the end")
     p.add_argument("--jsonl", help="append each row here, as one JSON line, once measured")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time the buckets' passes in turn (n=1, n=2, ..., then again), so that their ratios "
+        "hold on a machine whose speed drifts; rows then come once all are timed",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     steps = [s for s in STEPS if s in (STEPS if args.compile else args.steps)]
@@ -262,7 +315,10 @@ def main(argv=None) -> dict:
             for dtype_name in args.dtype:
                 for weights in args.weights:
                     ns = tuple(args.ns)
-                    measure(rows, shape, dtype_name, step, device, ns, args.repeats, weights)
+                    measure(
+                        rows, shape, dtype_name, step, device, ns, args.repeats, weights,
+                        args.interleave,
+                    )  # fmt: skip
     results = {"device": str(device), "where": where, "rows": rows.rows}
     if args.json:
         with open(args.json, "w") as f:
