@@ -118,6 +118,13 @@ fn serve(h: &Helper) {
 /// each thread every other unit, where neighbours share data (attention's units of one kv head
 /// read its keys and values) that one core's caches then hold for the next.
 pub fn for_each(units: usize, f: impl Fn(usize) + Sync) {
+    for_each_from_ends(units, |unit, _| f(unit));
+}
+
+/// [`for_each`], telling `f` which end each unit came from: `f(unit, true)` for the units this
+/// thread takes from the front (its next is `unit + 1`), `f(unit, false)` for the helper's from
+/// the back (its next is `unit - 1`), so that a unit can fetch ahead what its thread runs next.
+pub fn for_each_from_ends(units: usize, f: impl Fn(usize, bool) + Sync) {
     assert!(u32::try_from(units).is_ok(), "at most 2^32 - 1 units");
     // The next front unit in the low half, one past the next back unit in the high half.
     let ends = AtomicU64::new((units as u64) << 32);
@@ -142,12 +149,12 @@ pub fn for_each(units: usize, f: impl Fn(usize) + Sync) {
     join(
         || {
             while let Some(i) = take(true) {
-                f(i);
+                f(i, true);
             }
         },
         || {
             while let Some(i) = take(false) {
-                f(i);
+                f(i, false);
             }
         },
     );
@@ -329,6 +336,20 @@ mod tests {
                 seen.iter().all(|s| s.load(Ordering::Relaxed) == 1),
                 "{units} units"
             );
+        }
+    }
+
+    #[test]
+    fn units_from_the_front_ascend_and_from_the_back_descend() {
+        for units in [1, 2, 7, 100] {
+            let order = Mutex::new(Vec::new());
+            for_each_from_ends(units, |i, front| order.lock().unwrap().push((i, front)));
+            let order = order.into_inner().unwrap();
+            let front: Vec<usize> = order.iter().filter(|u| u.1).map(|u| u.0).collect();
+            let back: Vec<usize> = order.iter().filter(|u| !u.1).map(|u| u.0).collect();
+            // The front takes 0, 1, ... and the back units - 1, units - 2, ... until they meet.
+            assert_eq!(front, (0..front.len()).collect::<Vec<_>>(), "{units} units");
+            assert_eq!(back, (front.len()..units).rev().collect::<Vec<_>>(), "{units} units");
         }
     }
 
