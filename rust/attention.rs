@@ -603,13 +603,25 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-    pub(super) unsafe fn dot_rows_avx512(x: &[f32], w: &[f32], dim: usize, out: &mut [f32]) {
-        super::dot_rows_lanes::<Avx512>(x, w, dim, out);
+    pub(super) unsafe fn dot_rows_avx512(
+        x: &[f32],
+        w: &[f32],
+        then: &[f32],
+        dim: usize,
+        out: &mut [f32],
+    ) {
+        super::dot_rows_lanes::<Avx512>(x, w, then, dim, out);
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_rows_avx2(x: &[f32], w: &[f32], dim: usize, out: &mut [f32]) {
-        super::dot_rows_lanes::<Avx2>(x, w, dim, out);
+    pub(super) unsafe fn dot_rows_avx2(
+        x: &[f32],
+        w: &[f32],
+        then: &[f32],
+        dim: usize,
+        out: &mut [f32],
+    ) {
+        super::dot_rows_lanes::<Avx2>(x, w, then, dim, out);
     }
 
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
@@ -653,8 +665,16 @@ pub fn dot_product(a: &[f32], b: &[f32]) -> f32 {
 
 /// out (T, n) = x (T, dim) · w (n, dim)ᵀ, every value [`dot_product`]'s bits on any build: the
 /// product of a float32 weight matrix (`crate::float`), summed as attention sums so that a
-/// row's values do not depend on the other rows of the pass.
-pub(crate) fn dot_rows(x: &[f32], w: &[f32], dim: usize, out: &mut [f32], path: Path) {
+/// row's values do not depend on the other rows of the pass. `then` (rows of dim, or empty):
+/// weights the caller multiplies next, whose first rows are fetched into L2 meanwhile.
+pub(crate) fn dot_rows(
+    x: &[f32],
+    w: &[f32],
+    then: &[f32],
+    dim: usize,
+    out: &mut [f32],
+    path: Path,
+) {
     assert!(
         dim > 0 && x.len().is_multiple_of(dim) && w.len().is_multiple_of(dim),
         "dot_rows: x and w must be whole rows of dim"
@@ -668,12 +688,12 @@ pub(crate) fn dot_rows(x: &[f32], w: &[f32], dim: usize, out: &mut [f32], path: 
     match path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `supported` checked the features.
-        Path::Avx512 => unsafe { x86::dot_rows_avx512(x, w, dim, out) },
+        Path::Avx512 => unsafe { x86::dot_rows_avx512(x, w, then, dim, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Path::Avx2 => unsafe { x86::dot_rows_avx2(x, w, dim, out) },
+        Path::Avx2 => unsafe { x86::dot_rows_avx2(x, w, then, dim, out) },
         // SAFETY: the portable build needs no CPU feature.
-        _ => unsafe { dot_rows_lanes::<Portable>(x, w, dim, out) },
+        _ => unsafe { dot_rows_lanes::<Portable>(x, w, then, dim, out) },
     }
 }
 
@@ -684,7 +704,13 @@ pub(crate) fn dot_rows(x: &[f32], w: &[f32], dim: usize, out: &mut [f32], path: 
 /// accumulators: more would spill). Output columns past the last K, and sizes that are not
 /// whole lanes, go through `dots`, one row at a time, as attention's scores do.
 #[inline(always)]
-unsafe fn dot_rows_lanes<V: Lanes>(x: &[f32], w: &[f32], dim: usize, out: &mut [f32]) {
+unsafe fn dot_rows_lanes<V: Lanes>(
+    x: &[f32],
+    w: &[f32],
+    then: &[f32],
+    dim: usize,
+    out: &mut [f32],
+) {
     let (rows, n) = (x.len() / dim, w.len() / dim);
     let (k, step) = if V::WIDE { (8, 3) } else { (4, 1) };
     let whole = if dim.is_multiple_of(LANES) {
@@ -697,15 +723,24 @@ unsafe fn dot_rows_lanes<V: Lanes>(x: &[f32], w: &[f32], dim: usize, out: &mut [
     // beside each step of its arithmetic, so that reading the weights from memory overlaps the
     // arithmetic of several rows. Without it the hardware's prefetcher left the two mostly in
     // turn: 9 rows of SmolLM2's float32 matrices took 1.7x one row on a Zen 4, and 1.2-1.3x
-    // with it; a burst of prefetches at each tile's start, or into L1, did worse.
+    // with it; a burst of prefetches at each tile's start, or into L1, did worse. The last
+    // step fetches the first rows of `then`, the weights its caller runs next (4-5 % off
+    // SmolLM2's float32 layer products at 9 rows).
     let lines = k * dim / 16;
     let share = lines.div_ceil(tiles);
     for j in (0..whole).step_by(k) {
         let wj = w.as_ptr().add(j * dim);
         for tile in 0..tiles {
             let (first, end) = (tile * share, ((tile + 1) * share).min(lines));
-            let pf = if j + 2 * k <= n && first < end {
-                (wj.add(k * dim + 16 * first), end - first)
+            let next = if j + 2 * k <= n {
+                wj.add(k * dim)
+            } else if j + k == whole && then.len() >= k * dim {
+                then.as_ptr()
+            } else {
+                std::ptr::null()
+            };
+            let pf = if !next.is_null() && first < end {
+                (next.add(16 * first), end - first)
             } else {
                 (wj, 0)
             };

@@ -73,12 +73,21 @@ impl FloatMatrix {
         let per = self.rows.div_ceil(UNITS).next_multiple_of(8);
         let blocks = self.rows.div_ceil(per);
         let out = Shared::new(out);
-        let run = |b: usize| {
+        // Piece b, then the start of the piece its thread takes next (`next`), whose first
+        // weight rows its last step fetches (as it fetches its own next rows at every step).
+        let run = |b: usize, next: Option<usize>| {
             let (o0, o1) = (b * per, ((b + 1) * per).min(self.rows));
             let w = &self.weight[o0 * self.cols..o1 * self.cols];
+            let then = match next {
+                Some(c) if c < blocks => {
+                    let (t0, t1) = (c * per, ((c + 1) * per).min(self.rows));
+                    &self.weight[t0 * self.cols..t1 * self.cols]
+                }
+                _ => &[],
+            };
             let width = o1 - o0;
             let mut part = vec![0.0f32; n * width];
-            attention::dot_rows(x, w, self.cols, &mut part, path);
+            attention::dot_rows(x, w, then, self.cols, &mut part, path);
             for (r, values) in part.chunks_exact(width).enumerate() {
                 // SAFETY: block b alone writes columns [o0, o1) of each row.
                 let at = r * self.rows + o0;
@@ -86,9 +95,11 @@ impl FloatMatrix {
             }
         };
         if self.rows * self.cols < PARALLEL_MIN || blocks < 2 {
-            (0..blocks).for_each(run);
+            (0..blocks).for_each(|b| run(b, Some(b + 1)));
         } else {
-            crate::helper::for_each(blocks, run);
+            crate::helper::for_each_from_ends(blocks, |b, front| {
+                run(b, if front { Some(b + 1) } else { b.checked_sub(1) });
+            });
         }
         Ok(())
     }

@@ -349,7 +349,11 @@ mod tests {
             let back: Vec<usize> = order.iter().filter(|u| !u.1).map(|u| u.0).collect();
             // The front takes 0, 1, ... and the back units - 1, units - 2, ... until they meet.
             assert_eq!(front, (0..front.len()).collect::<Vec<_>>(), "{units} units");
-            assert_eq!(back, (front.len()..units).rev().collect::<Vec<_>>(), "{units} units");
+            assert_eq!(
+                back,
+                (front.len()..units).rev().collect::<Vec<_>>(),
+                "{units} units"
+            );
         }
     }
 
