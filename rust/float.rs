@@ -69,8 +69,10 @@ impl FloatMatrix {
             return Ok(());
         }
         let path = path_of(kernel);
-        // Output rows a piece holds: a multiple of 8, dot_rows' step.
-        let per = self.rows.div_ceil(UNITS).next_multiple_of(8);
+        // Output rows a piece holds: a multiple of dot_rows' steps (8 weight rows, or 3 and 4 on
+        // AVX2), so that no piece leaves rows to its one-at-a-time tail.
+        let step = if path == Path::Avx2 { 24 } else { 8 };
+        let per = self.rows.div_ceil(UNITS).next_multiple_of(step);
         let blocks = self.rows.div_ceil(per);
         let out = Shared::new(out);
         // Piece b, then the start of the piece its thread takes next (`next`), whose first
