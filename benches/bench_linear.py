@@ -161,8 +161,11 @@ def candidates(native_bf16: bool) -> dict:
         out["bfloat16 oneDNN"] = (_onednn(torch.bfloat16), 2)
     if hasattr(torch.ops.quantized, "linear_dynamic"):
         out["int8 fbgemm (per-tensor x)"] = (_fbgemm(), 1)
-    # specfast's float32 products (rows computed on their own), on this CPU's best build
+    # specfast's float32 products (rows computed on their own), on this CPU's best build and,
+    # where that is AVX-512, on the AVX2 build too (what an AVX2-only CPU runs)
     out[f"float32 specfast {_core.int8_kernel()}"] = (_specfast(_core.FloatMatrix, "auto"), 4)
+    if _core.int8_kernel() == "avx512vnni":
+        out["float32 specfast avx2"] = (_specfast(_core.FloatMatrix, "avx2"), 4)
     for kernel in ("avx512vnni", "avxvnni", "avx2", "scalar"):
         if kernel == _core.int8_kernel() or (kernel == "avx2" and _core.int8_kernel() != "scalar"):
             out[f"int8 specfast {kernel}"] = (_specfast(_core.Int8Matrix, kernel), 1)
