@@ -202,11 +202,10 @@ impl Head<'_> {
 /// dst <- src in the cache's type. A finite value that the type cannot hold (float16 rounds
 /// ±65520 and beyond to infinity) is an error, not an infinity that would make its rows NaN.
 fn store<E: Elem>(dst: &mut [E], src: &[f32]) -> Result<()> {
-    if E::HALF {
-        if let Some(x) = src
-            .iter()
-            .find(|x| x.is_finite() && x.abs() >= HALF_OVERFLOW)
-        {
+    // A fold without an early exit (vector code) first; the search only when one is there.
+    let overflow = |x: &f32| x.is_finite() && x.abs() >= HALF_OVERFLOW;
+    if E::HALF && src.iter().fold(false, |any, x| any | overflow(x)) {
+        if let Some(x) = src.iter().find(|x| overflow(x)) {
             return Err(Error::value(format!(
                 "a key or value ({x}) is beyond the float16 cache's range: use a float32 cache (Model.kv_dtype)"
             )));
@@ -368,10 +367,14 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = head.len() / 2;
     let (a, b) = head.split_at_mut(half);
-    for i in 0..half {
-        let (x1, x2) = (a[i], b[i]);
-        a[i] = x1 * cos[i] - x2 * sin[i];
-        b[i] = x2 * cos[half + i] + x1 * sin[half + i];
+    let ((c1, c2), (s1, s2)) = (cos.split_at(half), sin.split_at(half));
+    // Zipped, so that it compiles to vector code (indexed, its bounds checks kept it scalar);
+    // the same unfused operations either way, so the same bits.
+    let tables = c1.iter().zip(s1).zip(c2.iter().zip(s2));
+    for ((x1, x2), ((&ca, &sa), (&cb, &sb))) in a.iter_mut().zip(b.iter_mut()).zip(tables) {
+        let (p, q) = (*x1, *x2);
+        *x1 = p * ca - q * sa;
+        *x2 = q * cb + p * sb;
     }
 }
 
