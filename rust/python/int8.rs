@@ -48,6 +48,53 @@ pub(crate) fn product_matmul(
     Ok(())
 }
 
+/// A weight-matrix class's `#[pymethods]`: its own methods (`$own`), then those every such
+/// class has alike: `matmul` (through `product_matmul`), the `rows`, `cols` and `nbytes`
+/// getters, and the repr.
+macro_rules! product_class {
+    ($class:ident, $name:literal, { $($own:tt)* }) => {
+        #[pymethods]
+        #[allow(clippy::needless_pass_by_value)] // numpy's borrowed arrays are extracted by value
+        impl $class {
+            $($own)*
+
+            /// out (n, rows) = x (n, cols) @ weight.T, each row of x computed on its own;
+            /// kernel: "auto" or a kernel's name (see int8_kernel).
+            #[pyo3(signature = (x, out, kernel="auto"))]
+            fn matmul(
+                &self,
+                py: Python<'_>,
+                x: PyReadonlyArray2<'_, f32>,
+                out: PyReadwriteArray2<'_, f32>,
+                kernel: &str,
+            ) -> PyResult<()> {
+                $crate::python::int8::product_matmul(py, &self.inner, &x, out, kernel)
+            }
+
+            #[getter]
+            fn rows(&self) -> usize {
+                self.inner.rows()
+            }
+
+            #[getter]
+            fn cols(&self) -> usize {
+                self.inner.cols()
+            }
+
+            /// Bytes a product reads: the weights as stored, with any scales and minimums.
+            #[getter]
+            fn nbytes(&self) -> usize {
+                self.inner.nbytes()
+            }
+
+            fn __repr__(&self) -> String {
+                format!(concat!($name, "({}, {})"), self.inner.rows(), self.inner.cols())
+            }
+        }
+    };
+}
+pub(crate) use product_class;
+
 type QuantizedWeights<'py> = (Bound<'py, PyArray2<i8>>, Bound<'py, PyArray1<f32>>);
 
 /// A weight matrix (out_features, in_features) quantized to int8, one scale per output row.
@@ -56,9 +103,7 @@ pub struct PyInt8Matrix {
     pub(crate) inner: int8::Int8Matrix,
 }
 
-#[pymethods]
-#[allow(clippy::needless_pass_by_value)] // numpy's borrowed arrays are extracted by value
-impl PyInt8Matrix {
+product_class!(PyInt8Matrix, "Int8Matrix", {
     #[new]
     fn new(py: Python<'_>, weight: PyReadonlyArray2<'_, f32>) -> PyResult<Self> {
         let shape = weight.shape();
@@ -68,45 +113,13 @@ impl PyInt8Matrix {
         Ok(PyInt8Matrix { inner })
     }
 
-    /// out (n, rows) = x (n, cols) @ weight.T, each row of x quantized with its own scale.
-    #[pyo3(signature = (x, out, kernel="auto"))]
-    fn matmul(
-        &self,
-        py: Python<'_>,
-        x: PyReadonlyArray2<'_, f32>,
-        out: PyReadwriteArray2<'_, f32>,
-        kernel: &str,
-    ) -> PyResult<()> {
-        product_matmul(py, &self.inner, &x, out, kernel)
-    }
-
     /// The quantized weights (rows, cols) int8 and the scale of each row (rows,) float32.
     fn weights<'py>(&self, py: Python<'py>) -> PyResult<QuantizedWeights<'py>> {
         let (q, s) = self.inner.weights();
         let q = PyArray1::from_vec(py, q).reshape([self.inner.rows(), self.inner.cols()])?;
         Ok((q, PyArray1::from_vec(py, s)))
     }
-
-    #[getter]
-    fn rows(&self) -> usize {
-        self.inner.rows()
-    }
-
-    #[getter]
-    fn cols(&self) -> usize {
-        self.inner.cols()
-    }
-
-    /// Bytes a product reads: the packed weights and their scales.
-    #[getter]
-    fn nbytes(&self) -> usize {
-        self.inner.nbytes()
-    }
-
-    fn __repr__(&self) -> String {
-        format!("Int8Matrix({}, {})", self.inner.rows(), self.inner.cols())
-    }
-}
+});
 
 /// The int8 kernel this CPU runs: "avx512vnni", "avxvnni", "avx2" or "scalar".
 #[pyfunction]

@@ -8,7 +8,7 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::int8::{contiguous, product_matmul};
+use super::int8::{contiguous, product_class};
 use crate::q4::Q4Matrix;
 
 type Parts<'py> = (
@@ -24,9 +24,7 @@ pub struct PyQ4Matrix {
     pub(crate) inner: Q4Matrix,
 }
 
-#[pymethods]
-#[allow(clippy::needless_pass_by_value)] // numpy's borrowed arrays are extracted by value
-impl PyQ4Matrix {
+product_class!(PyQ4Matrix, "Q4Matrix", {
     /// Quantizes a float32 (rows, cols) weight: per group, m = min, d = (max - min) / 15.
     #[new]
     fn new(py: Python<'_>, weight: PyReadonlyArray2<'_, f32>) -> PyResult<Self> {
@@ -66,18 +64,6 @@ impl PyQ4Matrix {
         Ok(PyQ4Matrix { inner })
     }
 
-    /// out (n, rows) = x (n, cols) @ weight.T, each row of x quantized with its own scales.
-    #[pyo3(signature = (x, out, kernel="auto"))]
-    fn matmul(
-        &self,
-        py: Python<'_>,
-        x: PyReadonlyArray2<'_, f32>,
-        out: PyReadwriteArray2<'_, f32>,
-        kernel: &str,
-    ) -> PyResult<()> {
-        product_matmul(py, &self.inner, &x, out, kernel)
-    }
-
     /// (q (rows, cols) uint8, d, m (rows, ceil(cols / 32)) float32), as from_parts takes them.
     fn parts<'py>(&self, py: Python<'py>) -> PyResult<Parts<'py>> {
         let (q, d, m) = self.inner.parts();
@@ -90,27 +76,7 @@ impl PyQ4Matrix {
             PyArray1::from_vec(py, float(m)).reshape([rows, groups])?,
         ))
     }
-
-    #[getter]
-    fn rows(&self) -> usize {
-        self.inner.rows()
-    }
-
-    #[getter]
-    fn cols(&self) -> usize {
-        self.inner.cols()
-    }
-
-    /// Bytes a product reads: the packed values, scales and minimums.
-    #[getter]
-    fn nbytes(&self) -> usize {
-        self.inner.nbytes()
-    }
-
-    fn __repr__(&self) -> String {
-        format!("Q4Matrix({}, {})", self.inner.rows(), self.inner.cols())
-    }
-}
+});
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyQ4Matrix>()?;
