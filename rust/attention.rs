@@ -701,8 +701,9 @@ pub(crate) fn dot_rows(
 /// a time, so the K weight rows come from memory once and serve every row from L1: on 32-register
 /// builds K = 8 against three rows (24 accumulators, each weight vector loaded once for the
 /// three; a pair or a single row for the rest), on AVX2 K = 4 against a one-row pass and K = 3
-/// against two rows for more (8 and 12 ymm accumulators: more would spill). Output columns past the last K, and sizes that are not
-/// whole lanes, go through `dots`, one row at a time, as attention's scores do.
+/// against two rows for more (8 and 12 ymm accumulators: more would spill). Output columns past
+/// the last K, and sizes that are not whole lanes, go through `dots`, one row at a time, as
+/// attention's scores do.
 #[inline(always)]
 unsafe fn dot_rows_lanes<V: Lanes>(
     x: &[f32],
@@ -740,16 +741,15 @@ unsafe fn dot_rows_lanes<V: Lanes>(
         for tile in 0..tiles {
             let (first, end) = (tile * share, ((tile + 1) * share).min(lines));
             let next = if j + 2 * k <= n {
-                wj.add(k * dim)
+                Some(wj.add(k * dim))
             } else if j + k == whole && then.len() >= k * dim {
-                then.as_ptr()
+                Some(then.as_ptr())
             } else {
-                std::ptr::null()
+                None
             };
-            let pf = if !next.is_null() && first < end {
-                (next.add(16 * first), end - first)
-            } else {
-                (wj, 0)
+            let pf = match next {
+                Some(p) if first < end => (p.add(16 * first), end - first),
+                _ => (wj, 0),
             };
             let t = step * tile;
             let dst = out.as_mut_ptr().add(t * n + j);

@@ -77,21 +77,17 @@ impl FloatMatrix {
         let out = Shared::new(out);
         // Piece b, then the start of the piece its thread takes next (`next`), whose first
         // weight rows its last step fetches (as it fetches its own next rows at every step).
+        let piece = |b: usize| {
+            &self.weight[b * per * self.cols..((b + 1) * per).min(self.rows) * self.cols]
+        };
         let run = |b: usize, next: Option<usize>| {
-            let (o0, o1) = (b * per, ((b + 1) * per).min(self.rows));
-            let w = &self.weight[o0 * self.cols..o1 * self.cols];
-            let then = match next {
-                Some(c) if c < blocks => {
-                    let (t0, t1) = (c * per, ((c + 1) * per).min(self.rows));
-                    &self.weight[t0 * self.cols..t1 * self.cols]
-                }
-                _ => &[],
-            };
-            let width = o1 - o0;
+            let (o0, w) = (b * per, piece(b));
+            let then = next.filter(|&c| c < blocks).map_or(&[][..], piece);
+            let width = w.len() / self.cols;
             let mut part = vec![0.0f32; n * width];
             attention::dot_rows(x, w, then, self.cols, &mut part, path);
             for (r, values) in part.chunks_exact(width).enumerate() {
-                // SAFETY: block b alone writes columns [o0, o1) of each row.
+                // SAFETY: piece b alone writes columns [o0, o0 + width) of each row.
                 let at = r * self.rows + o0;
                 unsafe { out.part(at..at + width) }.copy_from_slice(values);
             }
