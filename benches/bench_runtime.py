@@ -273,10 +273,9 @@ def measure(
         try:
             times = interleaved_times(dec, feeds, repeats)
         except Exception as e:
-            times = None
             for row, _ in warm:
                 rows.add({**row, "error": f"{type(e).__name__}: {e}"[:500]})
-        if times is not None:
+        else:
             timed = [(row, warmup, t) for (row, warmup), t in zip(warm, times, strict=True)]
             first = next((t for row, _, t in timed if row["n"] == 1), None)
             for row, warmup, t in timed:
