@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use specfast::attention::{attend, Dims};
 use specfast::float::FloatMatrix;
-use specfast::int8::{Int8Matrix, Kernel};
+use specfast::int8::{Int8Matrix, Kernel, Product};
 use specfast::q4::Q4Matrix;
 
 fn values(seed: u64, n: usize) -> Vec<f32> {
@@ -261,6 +261,19 @@ fn layer_matrices() -> impl Iterator<Item = (u64, (usize, usize))> {
     })
 }
 
+/// Seconds of n rows through every matrix of `mats` in turn (SmolLM2's widths: 576 or 1536
+/// inputs), the fastest of `tries`.
+fn pass_time<M: Product>(mats: &[M], n: usize, tries: usize) -> f64 {
+    let (x576, x1536) = (values(1, n * 576), values(2, n * 1536));
+    fastest(tries, || {
+        for m in mats {
+            let x = if m.cols() == 576 { &x576 } else { &x1536 };
+            let mut out = vec![0.0f32; n * m.rows()];
+            m.matmul(x, &mut out, Kernel::best()).unwrap();
+        }
+    })
+}
+
 fn products() {
     let mats: Vec<Q4Matrix> = layer_matrices()
         .map(|(seed, (r, c))| Q4Matrix::quantize(&values(seed, r * c), r, c).unwrap())
@@ -274,14 +287,8 @@ fn products() {
         kernel.name()
     );
     for n in [1usize, 2, 4, 8, 9, 16] {
-        let (x576, x1536) = (values(1, n * 576), values(2, n * 1536));
-        let t = fastest(9, || {
-            for m in &mats {
-                let x = if m.cols() == 576 { &x576 } else { &x1536 };
-                let mut out = vec![0.0f32; n * m.rows()];
-                m.matmul(x, &mut out, kernel).unwrap();
-            }
-        });
+        let t = pass_time(&mats, n, 9);
+        let x576 = values(1, n * 576);
         let th = fastest(9, || {
             let mut out = vec![0.0f32; n * 49_152];
             head.matmul(&x576, &mut out, kernel).unwrap();
@@ -365,17 +372,9 @@ fn float_products() {
         .collect();
     mats.push(FloatMatrix::new(&values(999, 49_152 * 576), 49_152, 576).unwrap());
     let bytes: usize = mats.iter().map(FloatMatrix::nbytes).sum();
-    let kernel = Kernel::best();
     println!("float32 layers and output matrix ({} MB):", bytes >> 20);
     for n in [1usize, 2, 4, 8, 9, 16] {
-        let (x576, x1536) = (values(1, n * 576), values(2, n * 1536));
-        let t = fastest(7, || {
-            for m in &mats {
-                let x = if m.cols() == 576 { &x576 } else { &x1536 };
-                let mut out = vec![0.0f32; n * m.rows()];
-                m.matmul(x, &mut out, kernel).unwrap();
-            }
-        });
+        let t = pass_time(&mats, n, 7);
         println!(
             "  {n:2} rows: {:6.2} ms ({:4.1} GB/s)",
             t * 1e3,
