@@ -962,10 +962,19 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     let scores = &mut buf[..m * width];
     let qs = &q[first * hd..(first + m) * hd];
     let mut wide = Vec::new(); // a tile of a float16 cache, in f32
-    let mut ends = Vec::with_capacity(m); // per item, where its keys in the tile end
+    let mut ends = Vec::with_capacity(m); // (item, where its keys in the tile end), in `order`
+                                          // The items by how many keys they see, so that in the tile where their keys end, items
+                                          // over the same keys (the query heads of one row) are neighbours, which go together: a
+                                          // 9-row pass's attention 2-3 % faster.
+    let mut order: Vec<usize> = (0..m).collect();
+    order.sort_by_key(|&i| keys(i));
     for j0 in (0..most).step_by(TILE_KEYS) {
         ends.clear();
-        ends.extend((0..m).map(|i| keys(i).min(j0 + TILE_KEYS).max(j0)));
+        ends.extend(
+            order
+                .iter()
+                .map(|&i| (i, keys(i).min(j0 + TILE_KEYS).max(j0))),
+        );
         let kt = widen::<V, E>(&kh[j0 * hd..most.min(j0 + TILE_KEYS) * hd], &mut wide);
         score_tile::<V>(qs, kt, scale, &ends, j0, scores, width);
     }
@@ -979,9 +988,9 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     for j0 in (0..most).step_by(TILE_KEYS) {
         // Items with no keys left in this tile, or no weights (NaN rows), end here.
         ends.clear();
-        ends.extend((0..m).map(|i| match totals[i] {
-            Some(_) => keys(i).min(j0 + TILE_KEYS).max(j0),
-            None => j0,
+        ends.extend(order.iter().map(|&i| match totals[i] {
+            Some(_) => (i, keys(i).min(j0 + TILE_KEYS).max(j0)),
+            None => (i, j0),
         }));
         let vt = widen::<V, E>(&vh[j0 * hd..most.min(j0 + TILE_KEYS) * hd], &mut wide);
         value_tile::<V>(scores, width, vt, hd, &ends, j0, &mut chains);
@@ -1018,9 +1027,10 @@ unsafe fn widen<'a, V: Lanes, E: Elem>(src: &'a [E], wide: &'a mut Vec<f32>) -> 
     wide
 }
 
-/// Scores of a bundle's items (queries `qs`, hd each) over the keys `j0..ends[i]` of a tile
-/// (`kt`, from key j0), into row i of `scores`. Two items over the same keys go together and
-/// share each key loaded (`key_lanes_two`); each score is still `dot`'s.
+/// Scores of a bundle's items (queries `qs`, hd each) over a tile's keys (`kt`, from key j0),
+/// item i over keys `j0..e` for each `(i, e)` of `ends`, into row i of `scores`. Two items
+/// over the same keys go together and share each key loaded (`key_lanes_two`); each score is
+/// still `dot`'s.
 ///
 /// Keys held dimension-major (16 keys to a vector, one chain of multiply-adds a key in the
 /// order of d) would need no tree, but the cache holds keys row by row, and a 16 × 16
@@ -1033,30 +1043,31 @@ unsafe fn score_tile<V: Lanes>(
     qs: &[f32],
     kt: &[f32],
     scale: f32,
-    ends: &[usize],
+    ends: &[(usize, usize)],
     j0: usize,
     scores: &mut [f32],
     width: usize,
 ) {
     let hd = qs.len() / ends.len(); // one query per item
     let qrow = |i: usize| &qs[i * hd..(i + 1) * hd];
-    let mut i = 0;
-    while i < ends.len() {
-        let e = ends[i];
+    let mut at = 0;
+    while at < ends.len() {
+        let (i, e) = ends[at];
         let mut j = j0;
-        let two = V::WIDE && hd.is_multiple_of(LANES) && ends.get(i + 1) == Some(&e);
-        if two {
+        let next = ends.get(at + 1).filter(|&&(_, e2)| e2 == e);
+        let two = V::WIDE && hd.is_multiple_of(LANES) && next.is_some();
+        if let (true, Some(&(i2, _))) = (two, next) {
             while j + 8 <= e {
-                let acc = key_lanes_two::<V>(qrow(i), qrow(i + 1), kt.as_ptr().add((j - j0) * hd));
+                let acc = key_lanes_two::<V>(qrow(i), qrow(i2), kt.as_ptr().add((j - j0) * hd));
                 let mut both = [0.0f32; 16];
                 V::sums_scaled(&acc, scale, both.as_mut_ptr());
                 scores[i * width + j..][..8].copy_from_slice(&both[..8]);
-                scores[(i + 1) * width + j..][..8].copy_from_slice(&both[8..]);
+                scores[i2 * width + j..][..8].copy_from_slice(&both[8..]);
                 j += 8;
             }
         }
         let n = 1 + usize::from(two);
-        for r in i..i + n {
+        for &(r, _) in &ends[at..at + n] {
             if j < e {
                 dots::<V>(
                     qrow(r),
@@ -1066,43 +1077,44 @@ unsafe fn score_tile<V: Lanes>(
                 );
             }
         }
-        i += n;
+        at += n;
     }
 }
 
 /// Continues the even and odd chains of a bundle's items (`chains`: per item, even then odd,
-/// hd each) over keys `j0..ends[i]` of a tile (`vt`, from key j0), item i's weights in row i
-/// of `scores`. Up to ITEMS_PER_LOAD items over the same keys go together and share each value
-/// loaded.
+/// hd each) over a tile's keys (`vt`, from key j0), item i over keys `j0..e` for each `(i, e)`
+/// of `ends`, its weights in row i of `scores`. Up to ITEMS_PER_LOAD neighbours in `ends` over
+/// the same keys go together and share each value loaded.
 #[inline(always)]
 unsafe fn value_tile<V: Lanes>(
     scores: &[f32],
     width: usize,
     vt: &[f32],
     hd: usize,
-    ends: &[usize],
+    ends: &[(usize, usize)],
     j0: usize,
     chains: &mut [f32],
 ) {
     let chunks = hd / LANES;
-    let mut i = 0;
-    while i < ends.len() {
-        let e = ends[i];
-        let n = ends[i..]
+    let mut at = 0;
+    while at < ends.len() {
+        let e = ends[at].1;
+        let n = ends[at..]
             .iter()
             .take(ITEMS_PER_LOAD)
-            .take_while(|&&x| x == e)
+            .take_while(|&&(_, x)| x == e)
             .count();
+        let group = &ends[at..at + n];
         let vt = &vt[..(e - j0) * hd];
         let cp = chains.as_mut_ptr();
         if e > j0 && V::WIDE && n == ITEMS_PER_LOAD && chunks.is_multiple_of(4) {
-            let ps = std::array::from_fn(|r| scores[(i + r) * width + j0..].as_ptr());
-            let states = std::array::from_fn(|r| cp.add((i + r) * 2 * hd));
+            let ps = std::array::from_fn(|r| scores[group[r].0 * width + j0..].as_ptr());
+            let states = std::array::from_fn(|r| cp.add(group[r].0 * 2 * hd));
             for c0 in (0..chunks).step_by(4) {
                 accumulate_items::<V, ITEMS_PER_LOAD, 4>(&ps, e - j0, vt, hd, c0, &states);
             }
         } else if e > j0 {
-            for r in i..i + n {
+            for &(r, _) in group {
                 let state = &mut chains[r * 2 * hd..(r + 1) * 2 * hd];
                 accumulate::<V>(
                     &scores[r * width + j0..r * width + e],
@@ -1113,7 +1125,7 @@ unsafe fn value_tile<V: Lanes>(
                 );
             }
         }
-        i += n;
+        at += n;
     }
 }
 
