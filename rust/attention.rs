@@ -965,7 +965,7 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     let mut wide = Vec::new();
     // The items by how many keys they see, so that in the tile where their keys end, items over
     // the same keys (the query heads of one row) are neighbours, which go together: a 9-row
-    // pass's attention 2-3 % faster.
+    // pass's attention 2-3 % faster than in item order.
     let mut order: Vec<usize> = (0..m).collect();
     order.sort_by_key(|&i| keys(i));
     // (item, where its keys in the tile end), in `order`
