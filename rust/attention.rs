@@ -945,9 +945,10 @@ const TILE_KEYS: usize = 64;
 /// this many, a tile's arithmetic outlasts its reads, and the cache's lines arrive where the
 /// hardware's prefetchers, which stop at each 4 KiB page, leave them late: a 9-row pass's
 /// attention after 500 keys 14-15 % faster with the keys and values in memory (SmolLM2's
-/// shape on a Zen 4: 100 → 85-86 µs), 4 rows 7-8 %, 6 rows 13 %, 9 rows after 1900 keys
-/// 15 %; 1-1.5 % slower with them in cache. Bundles of fewer items wait on their reads
-/// anyway, and the fetches compete with them: 2 rows' bundles of 6 items 5-10 % slower.
+/// shape on a Zen 4: 100 → 85-86 µs; the AVX2 build there 11 %), 4 rows 7-8 %, 6 rows 13 %,
+/// 9 rows after 1900 keys 15 %; 1-1.5 % slower with them in cache. Bundles of fewer items
+/// wait on their reads anyway, and the fetches compete with them: 2 rows' bundles of 6 items
+/// 5-10 % slower.
 const FETCH_ITEMS: usize = 8;
 
 /// Fetches a tile's cache lines into L1 a share at a time, in the `steps` steps of the work
