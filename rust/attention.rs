@@ -938,18 +938,33 @@ thread_local! {
 /// a time, so a tile read once from L2 serves all of them from L1.
 const BUNDLE: usize = 32;
 const BUNDLE_SCORES: usize = 1 << 18;
-/// Keys a tile holds: 64 keys of a 64-wide head are 16 KiB, half of an L1. Even, so that a
-/// tile starts every item's even chain on an even key (`accumulate`).
-const TILE_KEYS: usize = 64;
+/// The bytes of a tile in f32: 64 keys of a 64-wide head, 32 of a 128-wide one, half of a 32
+/// KiB L1. Its keys are a multiple of 16, so even: a tile starts every item's even chain on an
+/// even key (`accumulate`). At 128 wide, 32-key tiles against 64 (with the fetch below, Qwen2.5
+/// 1.5B's shape, 12 heads over 2 kv heads, on a Zen 4, keys and values in memory): 2 rows 16 %
+/// faster after 500 keys and 11 % after 1900, 4 rows 18 %, 9 rows 6-8 %, a 500-row prefill
+/// 4-7 %, one row level.
+const TILE_BYTES: usize = 16 << 10;
+
+/// Keys a tile of a head of `hd` values holds (see `TILE_BYTES`).
+fn tile_keys(hd: usize) -> usize {
+    (TILE_BYTES / (4 * hd.max(1)) / 16).max(1) * 16
+}
+
 /// Items from which a bundle fetches its next tile into L1 while it works on this one. With
 /// this many, a tile's arithmetic outlasts its reads, and the cache's lines arrive where the
 /// hardware's prefetchers, which stop at each 4 KiB page, leave them late: a 9-row pass's
 /// attention after 500 keys 14-15 % faster with the keys and values in memory (SmolLM2's
 /// shape on a Zen 4: 100 → 85-86 µs; the AVX2 build there 11 %), 4 rows 7-8 %, 6 rows 13 %,
-/// 9 rows after 1900 keys 15 %; 1-1.5 % slower with them in cache. Bundles of fewer items
+/// 9 rows after 1900 keys 15 %; up to 1.5 % slower with them in cache. Bundles of fewer items
 /// wait on their reads anyway, and the fetches compete with them: 2 rows' bundles of 6 items
 /// 5-10 % slower.
 const FETCH_ITEMS: usize = 8;
+/// The most that the tile in f32 and the next one as the cache holds it may take, for the
+/// fetch: three quarters of a 32 KiB L1. A float16 cache's tiles fit (16 + 8 KiB); a float32
+/// cache's (16 + 16) do not, and fetching 64-key tiles of a 128-wide head (32 + 16) was 4-6 %
+/// slower at 2 rows.
+const FETCH_BYTES: usize = 24 << 10;
 
 /// Fetches a tile's cache lines into L1 a share at a time, in the `steps` steps of the work
 /// that goes before the tile is read (nothing when `on` is false).
@@ -1014,7 +1029,8 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     }
     let scores = &mut buf[..m * width];
     let qs = &q[first * hd..(first + m) * hd];
-    let fetch = m >= FETCH_ITEMS;
+    let tile = tile_keys(hd);
+    let fetch = m >= FETCH_ITEMS && tile * hd * (4 + std::mem::size_of::<E>()) <= FETCH_BYTES;
     // A tile of a float16 cache, in f32.
     let mut wide = Vec::new();
     // The items by how many keys they see, so that in the tile where their keys end, items over
@@ -1024,19 +1040,15 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     order.sort_by_key(|&i| keys(i));
     // (item, where its keys in the tile end), in `order`
     let mut ends = Vec::with_capacity(m);
-    for j0 in (0..most).step_by(TILE_KEYS) {
+    for j0 in (0..most).step_by(tile) {
         ends.clear();
-        ends.extend(
-            order
-                .iter()
-                .map(|&i| (i, keys(i).min(j0 + TILE_KEYS).max(j0))),
-        );
-        let kt = widen::<V, E>(&kh[j0 * hd..most.min(j0 + TILE_KEYS) * hd], &mut wide);
+        ends.extend(order.iter().map(|&i| (i, keys(i).min(j0 + tile).max(j0))));
+        let kt = widen::<V, E>(&kh[j0 * hd..most.min(j0 + tile) * hd], &mut wide);
         // The next tile: this head's next keys, or after the last its first values.
-        let next = if j0 + TILE_KEYS < most {
-            &kh[(j0 + TILE_KEYS) * hd..most.min(j0 + 2 * TILE_KEYS) * hd]
+        let next = if j0 + tile < most {
+            &kh[(j0 + tile) * hd..most.min(j0 + 2 * tile) * hd]
         } else {
-            &vh[..most.min(TILE_KEYS) * hd]
+            &vh[..most.min(tile) * hd]
         };
         let ahead = Ahead::new(next, fetch, ends.len().div_ceil(2));
         score_tile::<V>(qs, kt, scale, &ends, j0, scores, width, ahead);
@@ -1048,15 +1060,15 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     }
     // Per item and lane-group: its even chain, then its odd one (hd / LANES groups each).
     let mut chains = vec![0.0f32; m * 2 * hd];
-    for j0 in (0..most).step_by(TILE_KEYS) {
+    for j0 in (0..most).step_by(tile) {
         // Items with no keys left in this tile, or no weights (NaN rows), end here.
         ends.clear();
         ends.extend(order.iter().map(|&i| match totals[i] {
-            Some(_) => (i, keys(i).min(j0 + TILE_KEYS).max(j0)),
+            Some(_) => (i, keys(i).min(j0 + tile).max(j0)),
             None => (i, j0),
         }));
-        let vt = widen::<V, E>(&vh[j0 * hd..most.min(j0 + TILE_KEYS) * hd], &mut wide);
-        let next = &vh[most.min(j0 + TILE_KEYS) * hd..most.min(j0 + 2 * TILE_KEYS) * hd];
+        let vt = widen::<V, E>(&vh[j0 * hd..most.min(j0 + tile) * hd], &mut wide);
+        let next = &vh[most.min(j0 + tile) * hd..most.min(j0 + 2 * tile) * hd];
         let ahead = Ahead::new(next, fetch, ends.len().div_ceil(ITEMS_PER_LOAD));
         value_tile::<V>(scores, width, vt, hd, &ends, j0, &mut chains, ahead);
     }
@@ -1630,23 +1642,27 @@ pub(crate) mod tests {
     /// alone: several tiles, odd and even key counts, a bundle cut at its size limit.
     #[test]
     fn bundles_give_the_bits_of_one_item_at_a_time() {
-        let d = Dims {
-            rows: 12,
-            heads: 8,
-            kv_heads: 2,
-            head_dim: 64,
-            capacity: 170,
-            pos: 150,
-        };
-        let (q, k, v) = case(&d, 5);
-        let mut alone = vec![0.0f32; q.len()];
-        // SAFETY: the portable build needs no CPU feature.
-        unsafe { items_one_by_one::<Portable, _>(&q, &k, &v, &mut alone, &d, 0) };
-        assert_eq!(run(&q, &k, &v, &d, Path::best()), alone);
-        let mut bundled = vec![0.0f32; q.len()];
-        // SAFETY: as above.
-        unsafe { items::<Portable, _>(&q, &k, &v, &mut bundled, &d, 0) };
-        assert_eq!(bundled, alone);
+        // 150 keys span 3 tiles of a 64-wide head and 5 of a 128-wide one.
+        for head_dim in [64, 128] {
+            assert!(tile_keys(head_dim) < 150 / 2);
+            let d = Dims {
+                rows: 12,
+                heads: 8,
+                kv_heads: 2,
+                head_dim,
+                capacity: 170,
+                pos: 150,
+            };
+            let (q, k, v) = case(&d, 5);
+            let mut alone = vec![0.0f32; q.len()];
+            // SAFETY: the portable build needs no CPU feature.
+            unsafe { items_one_by_one::<Portable, _>(&q, &k, &v, &mut alone, &d, 0) };
+            assert_eq!(run(&q, &k, &v, &d, Path::best()), alone, "{head_dim}");
+            let mut bundled = vec![0.0f32; q.len()];
+            // SAFETY: as above.
+            unsafe { items::<Portable, _>(&q, &k, &v, &mut bundled, &d, 0) };
+            assert_eq!(bundled, alone, "{head_dim}");
+        }
     }
 
     /// Negative control for the test above: a row that also sees the next row's key differs.
