@@ -953,13 +953,14 @@ fn tile_keys(hd: usize) -> usize {
 
 /// Items from which a bundle fetches its next tile into L1 while it works on this one. With
 /// this many, a tile's arithmetic outlasts its reads, and the cache's lines arrive where the
-/// hardware's prefetchers, which stop at each 4 KiB page, leave them late: a 9-row pass's
-/// attention after 500 keys 14-15 % faster with the keys and values in memory (SmolLM2's
-/// shape on a Zen 4: 100 → 85-86 µs; the AVX2 build there 11 %), 4 rows 7-8 %, 6 rows 13 %,
-/// 9 rows after 1900 keys 15 %; up to 1.5 % slower with them in cache. Bundles of fewer items
-/// wait on their reads anyway, and the fetches compete with them: 2 rows' bundles of 6 items
-/// 5-10 % slower.
-const FETCH_ITEMS: usize = 8;
+/// hardware's prefetchers, which stop at each 4 KiB page, leave them late. On a Zen 4, keys
+/// and values in memory: SmolLM2's shape after 500 keys, 9 rows 14-15 % faster (100 → 85-86
+/// µs; the AVX2 build 11 %), 2 rows (bundles of 6 and 3) 3-6 %, 3 rows 4 %, 4 rows 7-8 %, 6
+/// rows 13 %, 9 rows after 1900 keys 15 %; Qwen2.5 1.5B's one row (6 items) 6-11 % after 500
+/// keys, 16-19 % after 1900. With them in cache, up to 1.5 % slower (7 % for 6 items of a
+/// 128-wide head). SmolLM2's one-row bundles of 3 items measured 5-7 % slower and 0-9 %
+/// faster in different minutes, so they go without.
+const FETCH_ITEMS: usize = 4;
 /// The most that the tile in f32 and the next one as the cache holds it may take, for the
 /// fetch: three quarters of a 32 KiB L1. A float16 cache's tiles fit (16 + 8 KiB); a float32
 /// cache's (16 + 16) do not, and fetching 64-key tiles of a 128-wide head (32 + 16) was 4-6 %
