@@ -1643,7 +1643,7 @@ pub(crate) mod tests {
     /// alone: several tiles, odd and even key counts, a bundle cut at its size limit.
     #[test]
     fn bundles_give_the_bits_of_one_item_at_a_time() {
-        // 150 keys span 3 tiles of a 64-wide head and 5 of a 128-wide one.
+        // 151-162 keys: 3 tiles of a 64-wide head, 5 or 6 of a 128-wide one.
         for head_dim in [64, 128] {
             assert!(tile_keys(head_dim) < 150 / 2);
             let d = Dims {
@@ -1685,8 +1685,9 @@ pub(crate) mod tests {
 
     #[test]
     fn every_path_gives_the_same_bits() {
-        // 72: items one at a time; 64: bundles, and scores 16 (AVX-512) or 4 keys at a time.
-        for head_dim in [72, 64] {
+        // 72: items one at a time; 64 and 128: bundles (tiles of 64 and 32 keys), and scores 16
+        // (AVX-512) or 4 keys at a time.
+        for head_dim in [72, 64, 128] {
             let d = Dims {
                 rows: 5,
                 heads: 6,
@@ -1714,7 +1715,7 @@ pub(crate) mod tests {
     /// their bits as with f32.
     #[test]
     fn a_half_cache_is_its_values_in_f32_on_every_path() {
-        for head_dim in [72, 64] {
+        for head_dim in [72, 64, 128] {
             let d = Dims {
                 rows: 9,
                 heads: 9,
