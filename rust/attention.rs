@@ -793,7 +793,7 @@ unsafe fn rows_tile<V: Lanes, const R: usize, const K: usize, const N: usize>(
     for c in (0..dim).step_by(LANES) {
         let first = c / LANES * per;
         for line in first..(first + per).min(pf.1) {
-            prefetch_l2(pf.0.add(16 * line));
+            prefetch::<L2, _>(pf.0.add(16 * line));
         }
         let xc: [V; R] = std::array::from_fn(|r| V::load(xs[r].add(c)));
         for i in 0..K {
@@ -827,29 +827,24 @@ unsafe fn rows_tile<V: Lanes, const R: usize, const K: usize, const N: usize>(
     }
 }
 
-/// Asks for the cache line at `p` in L2 ahead of its use (no effect on the values).
+/// Asks for the cache line at `p` ahead of its use, into L1 (`L1`) or L2 (`L2`); no effect on
+/// the values.
 #[inline(always)]
-fn prefetch_l2(p: *const f32) {
+fn prefetch<const LEVEL: i32, T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch reads nothing architecturally, and SSE is part of x86-64.
     unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast());
+        std::arch::x86_64::_mm_prefetch::<LEVEL>(p.cast());
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
 
-/// The same into L1.
-#[inline(always)]
-fn prefetch_l1(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: as above.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
+/// `prefetch`'s levels: x86's `_MM_HINT_T0` and `_MM_HINT_T1`.
+const L1: i32 = 3;
+const L2: i32 = 2;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(L1 == std::arch::x86_64::_MM_HINT_T0 && L2 == std::arch::x86_64::_MM_HINT_T1);
 
 /// out = silu(gate) · up = gate / (1 + e^-gate) · up, elementwise, on the best build.
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
@@ -993,7 +988,7 @@ impl Ahead {
             if self.at >= self.end {
                 return;
             }
-            prefetch_l1(self.at);
+            prefetch::<L1, _>(self.at);
             self.at = self.at.wrapping_add(64);
         }
     }
