@@ -793,7 +793,7 @@ unsafe fn rows_tile<V: Lanes, const R: usize, const K: usize, const N: usize>(
     for c in (0..dim).step_by(LANES) {
         let first = c / LANES * per;
         for line in first..(first + per).min(pf.1) {
-            prefetch::<L2, _>(pf.0.add(16 * line));
+            crate::prefetch::<{ crate::L2 }, _>(pf.0.add(16 * line));
         }
         let xc: [V; R] = std::array::from_fn(|r| V::load(xs[r].add(c)));
         for i in 0..K {
@@ -826,25 +826,6 @@ unsafe fn rows_tile<V: Lanes, const R: usize, const K: usize, const N: usize>(
         std::ptr::copy_nonoverlapping(sums.as_ptr().add(K * r), dst.add(r * stride), K);
     }
 }
-
-/// Asks for the cache line at `p` ahead of its use, into L1 (`L1`) or L2 (`L2`); no effect on
-/// the values.
-#[inline(always)]
-fn prefetch<const LEVEL: i32, T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing architecturally, and SSE is part of x86-64.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<LEVEL>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
-/// `prefetch`'s levels: x86's `_MM_HINT_T0` and `_MM_HINT_T1`.
-const L1: i32 = 3;
-const L2: i32 = 2;
-#[cfg(target_arch = "x86_64")]
-const _: () = assert!(L1 == std::arch::x86_64::_MM_HINT_T0 && L2 == std::arch::x86_64::_MM_HINT_T1);
 
 /// out = silu(gate) · up = gate / (1 + e^-gate) · up, elementwise, on the best build.
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
@@ -988,7 +969,7 @@ impl Ahead {
             if self.at >= self.end {
                 return;
             }
-            prefetch::<L1, _>(self.at);
+            crate::prefetch::<{ crate::L1 }, _>(self.at);
             self.at = self.at.wrapping_add(64);
         }
     }
@@ -1130,9 +1111,10 @@ unsafe fn score_tile<V: Lanes>(
         ahead.step();
         let (i, e) = ends[at];
         let mut j = j0;
-        let next = ends.get(at + 1).filter(|&&(_, e2)| e2 == e);
-        let two = V::WIDE && hd.is_multiple_of(LANES) && next.is_some();
-        if let (true, Some(&(i2, _))) = (two, next) {
+        // The next item, where it is over the same keys and can share them.
+        let wide = V::WIDE && hd.is_multiple_of(LANES);
+        let pair = ends.get(at + 1).filter(|&&(_, e2)| wide && e2 == e);
+        if let Some(&(i2, _)) = pair {
             while j + 8 <= e {
                 let acc = key_lanes_two::<V>(qrow(i), qrow(i2), kt.as_ptr().add((j - j0) * hd));
                 let mut both = [0.0f32; 16];
@@ -1142,7 +1124,7 @@ unsafe fn score_tile<V: Lanes>(
                 j += 8;
             }
         }
-        let n = 1 + usize::from(two);
+        let n = 1 + usize::from(pair.is_some());
         for &(r, _) in &ends[at..at + n] {
             if j < e {
                 dots::<V>(

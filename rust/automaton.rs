@@ -25,6 +25,7 @@
 //! transitions, 0.9n of them in the table.
 
 use crate::bigvec::BigVec;
+use crate::{prefetch, L1};
 
 const NONE: u32 = u32::MAX;
 
@@ -129,21 +130,6 @@ pub const ROOT: u32 = 0;
 fn hash(src: u32, tok: u32) -> u64 {
     let x = ((src as u64) << 32 | tok as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     x ^ (x >> 29)
-}
-
-/// Starts loading the cache line holding `r`, without waiting for it.
-#[inline]
-pub(crate) fn prefetch<T>(r: &T) {
-    // The intrinsic is safe to call since Rust 1.87 (SSE is baseline on x86_64); the `unsafe`
-    // block keeps the minimum supported Rust building.
-    #[cfg(target_arch = "x86_64")]
-    #[allow(unused_unsafe)]
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(r).cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = r;
 }
 
 impl Automaton {
@@ -287,10 +273,10 @@ impl Automaton {
             return;
         }
         if state == ROOT {
-            prefetch(&self.root[self.root_home(tok)]);
+            prefetch::<L1, _>(std::ptr::from_ref(&self.root[self.root_home(tok)]));
         } else if let Some(s) = self.st.get(state as usize) {
-            prefetch(s);
-            prefetch(&self.table[self.home_slot(state, tok)]);
+            prefetch::<L1, _>(std::ptr::from_ref(s));
+            prefetch::<L1, _>(std::ptr::from_ref(&self.table[self.home_slot(state, tok)]));
         }
     }
 

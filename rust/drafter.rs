@@ -28,9 +28,10 @@
 //! one token cost O(n) each). `propose` is O(1) plus the tokens copied for `Earliest` and
 //! `Recent`; `Frequent` costs O(out-degree) per proposed token.
 
-use crate::automaton::{prefetch, Automaton, Tracking, MAX_TOKENS, ROOT};
+use crate::automaton::{Automaton, Tracking, MAX_TOKENS, ROOT};
 use crate::bigvec::BigVec;
 use crate::error::{Error, Result};
+use crate::{prefetch, L1};
 
 /// The largest `k` that `propose` accepts.
 pub const MAX_K: usize = 1 << 20;
@@ -381,7 +382,7 @@ impl Drafter {
             Policy::Frequent => return,
         };
         if let Some(t) = self.live.get(end as usize + 1) {
-            prefetch(t);
+            prefetch::<L1, _>(std::ptr::from_ref(t));
         }
     }
 

@@ -32,3 +32,24 @@ pub mod tiles;
 
 #[cfg(feature = "python")]
 mod python;
+
+/// Starts loading the cache line at `p` into L1 (`L1`) or L2 (`L2`), without waiting for it;
+/// no effect on any value.
+#[inline]
+pub(crate) fn prefetch<const LEVEL: i32, T>(p: *const T) {
+    // The intrinsic is safe to call since Rust 1.87 (SSE is baseline on x86_64); the `unsafe`
+    // block keeps the minimum supported Rust building.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unused_unsafe)]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<LEVEL>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// `prefetch`'s levels: x86's `_MM_HINT_T0` and `_MM_HINT_T1`.
+pub(crate) const L1: i32 = 3;
+pub(crate) const L2: i32 = 2;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(L1 == std::arch::x86_64::_MM_HINT_T0 && L2 == std::arch::x86_64::_MM_HINT_T1);
