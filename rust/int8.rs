@@ -439,8 +439,26 @@ fn quantize_rows(
 ) {
     let groups = width / GROUP;
     #[cfg(target_arch = "x86_64")]
+    if cols == width && is_x86_feature_detected!("avx512f") {
+        for (r, row) in x.chunks_exact(cols).enumerate() {
+            let (q, scales, sums) = (
+                &mut q[r * width..(r + 1) * width],
+                &mut scales[r * groups..(r + 1) * groups],
+                &mut sums[r * groups..(r + 1) * groups],
+            );
+            // SAFETY: the CPU has AVX-512F (checked above); the row and its parts hold whole
+            // groups.
+            bad[r] = !unsafe { x86::quantize_row(row, q, scales, sums) };
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     let avx2 = is_x86_feature_detected!("avx2");
     for (r, row) in x.chunks_exact(cols).enumerate() {
+        // Written once a row: the two threads quantize rows side by side, and a store a group
+        // to one cache line of flags made them pass it back and forth (9 rows of 1536 took
+        // 1.4-1.6 times as long).
+        let mut row_bad = false;
         for g in 0..groups {
             let (lo, hi) = (g * GROUP, ((g + 1) * GROUP).min(cols));
             if lo >= hi {
@@ -453,13 +471,14 @@ fn quantize_rows(
                 // SAFETY: the CPU has AVX2 (checked above); both slices hold GROUP values.
                 let finite;
                 (scales[at], sums[at], finite) = unsafe { x86::quantize_group(&row[lo..hi], dst) };
-                bad[r] |= !finite;
+                row_bad |= !finite;
                 continue;
             }
-            bad[r] |= row[lo..hi].iter().any(|v| !v.is_finite());
+            row_bad |= row[lo..hi].iter().any(|v| !v.is_finite());
             scales[at] = quantize(&row[lo..hi], dst);
             sums[at] = dst.iter().map(|&v| i32::from(v)).sum();
         }
+        bad[r] = row_bad;
     }
 }
 
@@ -592,6 +611,49 @@ mod x86 {
         let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(out.as_mut_ptr().cast(), w);
         (scale, _mm_cvtsi128_si32(sum), finite)
+    }
+
+    /// `super::quantize_rows` for a row of whole groups, a group in two zmm: each group's
+    /// values, scale and sum exactly as [`quantize_group`] gives them (the same operations lane
+    /// by lane), and whether all were finite. Against `quantize_group`, 9 rows of 576 features
+    /// take 1.5 µs instead of 2.2 on a Zen 4, 9 rows of 1536 3.1 instead of 5.5.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn quantize_row(
+        x: &[f32],
+        q: &mut [i8],
+        scales: &mut [f32],
+        sums: &mut [i32],
+    ) -> bool {
+        let groups = x.len() / GROUP;
+        assert!(x.len() == groups * GROUP && q.len() == x.len());
+        assert!(scales.len() == groups && sums.len() == groups);
+        let (hi, lo) = (_mm512_set1_ps(127.0), _mm512_set1_ps(-127.0));
+        let (p, out) = (x.as_ptr(), q.as_mut_ptr());
+        let mut unordered: __mmask16 = 0;
+        for g in 0..groups {
+            let a = _mm512_loadu_ps(p.add(g * GROUP));
+            let b = _mm512_loadu_ps(p.add(g * GROUP + 16));
+            // v - v is NaN where v is not finite.
+            let (da, db) = (_mm512_sub_ps(a, a), _mm512_sub_ps(b, b));
+            unordered |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(da, db);
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+            let (scale, qa, qb) = if amax == 0.0 {
+                (0.0, _mm512_setzero_si512(), _mm512_setzero_si512())
+            } else {
+                let scale = amax / 127.0;
+                let s = _mm512_set1_ps(scale);
+                // Round half to even (the MXCSR default), as `quantize_group` does.
+                let round = |v| {
+                    _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_div_ps(v, s), hi), lo))
+                };
+                (scale, round(a), round(b))
+            };
+            _mm_storeu_si128(out.add(g * GROUP).cast(), _mm512_cvtepi32_epi8(qa));
+            _mm_storeu_si128(out.add(g * GROUP + 16).cast(), _mm512_cvtepi32_epi8(qb));
+            scales[g] = scale;
+            sums[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        }
+        unordered == 0
     }
 
     /// VNNI: one vpdpbusd per row, block and run of 4 features. vpdpbusd multiplies u8 by s8,
@@ -905,6 +967,49 @@ pub(crate) mod tests {
             x[GROUP - 1] = bad;
             // SAFETY: as above.
             assert!(!unsafe { x86::quantize_group(&x, &mut [0i8; GROUP]) }.2);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx512_row_quantization_gives_the_scalar_values() {
+        if !is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        // Random groups, then a group of zeros and groups whose quotients fall on halves and
+        // on the ±127 ends, in rows of 1, 3 and 18 groups; the special ones come last, where a
+        // loop that stopped a group short would miss them.
+        let mut groups: Vec<Vec<f32>> = (0..40).map(|s| lcg(s + 300, GROUP)).collect();
+        groups.push(vec![0.0; GROUP]);
+        groups.push((0..GROUP).map(|i| i as f32 - 15.5).collect());
+        groups.push(
+            (0..GROUP)
+                .map(|i| (i as f32 - 16.0) * 127.0 / 16.0)
+                .collect(),
+        );
+        for per_row in [1, 3, 18] {
+            for chunk in groups.rchunks(per_row) {
+                let x: Vec<f32> = chunk.concat();
+                let n = chunk.len();
+                let (mut q, mut scales, mut sums) = (vec![0i8; x.len()], vec![0.0; n], vec![0; n]);
+                // SAFETY: AVX-512F was checked above; the parts hold whole groups.
+                let finite = unsafe { x86::quantize_row(&x, &mut q, &mut scales, &mut sums) };
+                assert!(finite);
+                for (g, group) in chunk.iter().enumerate() {
+                    let mut want = [0i8; GROUP];
+                    let scale = quantize(group, &mut want);
+                    let sum: i32 = want.iter().map(|&v| i32::from(v)).sum();
+                    assert_eq!(&q[g * GROUP..(g + 1) * GROUP], &want[..]);
+                    assert_eq!((scales[g].to_bits(), sums[g]), (scale.to_bits(), sum));
+                }
+            }
+        }
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x = lcg(8, 3 * GROUP);
+            x[3 * GROUP - 1] = bad;
+            let (mut q, mut scales, mut sums) = (vec![0i8; x.len()], vec![0.0; 3], vec![0; 3]);
+            // SAFETY: as above.
+            assert!(!unsafe { x86::quantize_row(&x, &mut q, &mut scales, &mut sums) });
         }
     }
 
