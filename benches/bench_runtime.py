@@ -17,6 +17,11 @@ too, so a slow compile or an out-of-memory loses only its own row.
 
 Time per pass does not depend on the weights' values, so a GPU machine with no model file
 measures random-weight models of the real shapes (scripts/gpu_check.sh does).
+
+On CPU each row also gives the threads' round trip (`round_trip`): where the OS or a VM puts
+the core's two threads on different dies, passes of several rows take longer. With
+--interleave, rounds whose round trip is well above the least are reported apart
+(`far_rounds`), and the row's figures come from the others.
 """
 
 from __future__ import annotations
@@ -156,15 +161,63 @@ def bucket_time(dec, feed: torch.Tensor, repeats: int, sync_check: bool) -> tupl
     return warmup, statistics.median(pass_time(dec, feed) for _ in range(repeats))
 
 
-def interleaved_times(dec, feeds: list[torch.Tensor], repeats: int) -> list[float]:
-    """Median seconds of one pass over each of `feeds` (warmed up), the passes taken in turn,
-    one of each per round: on a machine whose speed drifts from minute to minute every bucket
-    then sees the same minutes, so their ratios hold where their times do not."""
+def round_trip(device: torch.device) -> float | None:
+    """Seconds for an empty job to reach the core's helper thread and come back (None on a GPU
+    or one CPU). On a VM whose two vCPUs move between dies it tells the two states apart: on a
+    Zen 4 ~0.05 µs on one die and ~0.2 µs apart, where passes of several rows took 1.3 × as
+    long."""
+    if device.type != "cpu":
+        return None
+    from specfast import _core
+
+    return _core.thread_round_trip()
+
+
+def interleaved_rounds(
+    dec, feeds: list[torch.Tensor], repeats: int, device: torch.device
+) -> tuple[list[list[float]], list[float | None]]:
+    """Seconds of each pass over each of `feeds` (warmed up), the passes taken in turn, one of
+    each per round: on a machine whose speed drifts from minute to minute every bucket then sees
+    the same minutes, so their ratios hold where their times do not. Also each round's
+    `round_trip`, measured before it."""
     samples: list[list[float]] = [[] for _ in feeds]
+    trips: list[float | None] = []
     for _ in range(repeats):
+        trips.append(round_trip(device))
         for feed, times in zip(feeds, samples, strict=True):
             times.append(pass_time(dec, feed))
-    return [statistics.median(times) for times in samples]
+    return samples, trips
+
+
+def by_rounds(
+    samples: list[list[float]], trips: list[float | None], far: list[bool], ns: list[int]
+) -> tuple[dict, dict | None]:
+    """Each bucket's median seconds (and the ratio to n=1, where there is an n=1) over the
+    rounds that `far` leaves out, then over those it marks (None if none), with the median
+    round trip of each kind of round."""
+    one = ns.index(1) if 1 in ns else None
+
+    def median_of(keep: list[bool]) -> dict:
+        seconds = [
+            statistics.median(t for t, k in zip(ts, keep, strict=True) if k) for ts in samples
+        ]
+        known = [t for t, k in zip(trips, keep, strict=True) if k and t is not None]
+        return {
+            "seconds": seconds,
+            "vs_n1": [None if one is None else t / seconds[one] for t in seconds],
+            "round_trip_seconds": statistics.median(known) if known else None,
+        }
+
+    near = median_of([not f for f in far])
+    return near, median_of(far) if any(far) else None
+
+
+def far_rounds(trips: list[float | None]) -> list[bool]:
+    """Which rounds ran with the threads farther apart than in the closest: a round trip more
+    than 2.5 × the least (on one die they vary by up to 1.6 ×, apart they take 4 ×)."""
+    known = [t for t in trips if t is not None]
+    least = min(known, default=None)
+    return [least is not None and t is not None and t > 2.5 * least for t in trips]
 
 
 def summary(row: dict) -> str:
@@ -182,6 +235,15 @@ def summary(row: dict) -> str:
     )
     if row["step"] == "compiled":
         line += f", cudagraph_skips {row['cudagraph_skips']}"
+    if row.get("round_trip_seconds") is not None:
+        line += f", threads' round trip {row['round_trip_seconds'] * 1e6:.2f} µs"
+    if row.get("far_rounds"):
+        far = row["far"]
+        line += (
+            f"; {row['far_rounds']} of {row['rounds']} rounds with the threads farther apart"
+            f" ({far['round_trip_seconds'] * 1e6:.2f} µs): {far['seconds'] * 1e3:.3f} ms"
+            + (f" (x{far['vs_n1']:.2f} n=1)" if far.get("vs_n1") is not None else "")
+        )
     return line
 
 
@@ -260,6 +322,7 @@ def measure(
             if interleave:
                 warm.append((row, warm_up(dec, feed, step == "compiled")))
                 continue
+            row["round_trip_seconds"] = round_trip(device)
             warmup, t = bucket_time(dec, feed, repeats, step == "compiled")
         except Exception as e:
             rows.add({**row, "error": f"{type(e).__name__}: {e}"[:500]})
@@ -271,15 +334,25 @@ def measure(
     if warm:
         feeds = [ids[CONTEXT : CONTEXT + row["n"]] for row, _ in warm]
         try:
-            times = interleaved_times(dec, feeds, repeats)
+            samples, trips = interleaved_rounds(dec, feeds, repeats, device)
         except Exception as e:
             for row, _ in warm:
                 rows.add({**row, "error": f"{type(e).__name__}: {e}"[:500]})
         else:
-            timed = [(row, warmup, t) for (row, warmup), t in zip(warm, times, strict=True)]
-            first = next((t for row, _, t in timed if row["n"] == 1), None)
-            for row, warmup, t in timed:
-                rows.add(finished(row, t, first, warmup, device, bw))
+            # The rounds with the threads at their closest give the rows' figures; any others
+            # are reported beside them (`far_rounds`).
+            far = far_rounds(trips)
+            timed_ns = [row["n"] for row, _ in warm]
+            near, apart = by_rounds(samples, trips, far, timed_ns)
+            first = near["seconds"][timed_ns.index(1)] if 1 in timed_ns else None
+            for i, (row, warmup) in enumerate(warm):
+                row = {**row, "rounds": len(far), "far_rounds": sum(far)}
+                row["round_trip_seconds"] = near["round_trip_seconds"]
+                if apart:
+                    row["far"] = {
+                        k: v if k == "round_trip_seconds" else v[i] for k, v in apart.items()
+                    }
+                rows.add(finished(row, near["seconds"][i], first, warmup, device, bw))
     del model, dec
     if device.type == "cuda":
         torch.cuda.empty_cache()

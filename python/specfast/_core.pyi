@@ -22,6 +22,7 @@ __all__ = [
     "int8_kernel",
     "row_attention",
     "rule_tables",
+    "thread_round_trip",
     "uniforms",
 ]
 
@@ -48,6 +49,10 @@ def rule_tables(
 
 def amx_usable() -> bool: ...
 def ggml_tile_restorer() -> int: ...
+
+# ---- the helper thread that products and attention split their work with (rust/helper.rs) ------
+
+def thread_round_trip() -> float | None: ...
 
 # ---- int8 and 4-bit matrix products (rust/int8.rs, rust/q4.rs) --------------------------------
 

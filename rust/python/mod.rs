@@ -43,6 +43,13 @@ fn ggml_tile_restorer() -> usize {
     crate::tiles::restore_ggml_tiles as *const () as usize
 }
 
+/// Seconds that an empty job takes to the core's helper thread and back (the median of 101), or
+/// None where there is no helper (one CPU).
+#[pyfunction]
+fn thread_round_trip() -> Option<f64> {
+    crate::helper::round_trip(101).map(|d| d.as_secs_f64())
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     drafter::register(m)?;
@@ -54,5 +61,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     q4::register(m)?;
     m.add_function(wrap_pyfunction!(amx_usable, m)?)?;
     m.add_function(wrap_pyfunction!(ggml_tile_restorer, m)?)?;
+    m.add_function(wrap_pyfunction!(thread_round_trip, m)?)?;
     Ok(())
 }
