@@ -19,7 +19,7 @@ Time per pass does not depend on the weights' values, so a GPU machine with no m
 measures random-weight models of the real shapes (scripts/gpu_check.sh does).
 
 On CPU each row also gives the threads' round trip (`round_trip`): where the OS or a VM puts
-the core's two threads on different dies, passes of several rows take longer. With
+the core's two threads on cores far apart, passes of several rows take longer. With
 --interleave, rounds whose round trip is well above the least are reported apart
 (`far_rounds`), and the row's figures come from the others.
 """
@@ -163,9 +163,9 @@ def bucket_time(dec, feed: torch.Tensor, repeats: int, sync_check: bool) -> tupl
 
 def round_trip(device: torch.device) -> float | None:
     """Seconds for an empty job to reach the core's helper thread and come back (None on a GPU
-    or one CPU). On a VM whose two vCPUs move between dies it tells the two states apart: on a
-    Zen 4 ~0.05 µs on one die and ~0.2 µs apart, where passes of several rows took 1.3 × as
-    long."""
+    or one CPU). On a VM whose host moves its vCPUs between nearer and farther cores it tells
+    the two states apart: on a Zen 4, 0.05-0.08 µs or 0.19-0.21 µs, with 9-row passes 1.3 ×
+    as long in the second."""
     if device.type != "cpu":
         return None
     from specfast import _core

@@ -281,9 +281,10 @@ pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
 
 /// The median time of `joins` empty jobs handed to the helper and back (after a few more that
 /// wake it), or None without a helper: the least that splitting work between the threads costs.
-/// It also tells where the two threads sit: on a Zen 4 VM whose two vCPUs move between dies, it
-/// measured ~0.15 µs with them on one die and ~0.7 µs apart, and multi-row passes, which hand
-/// data between the threads at every step, ran 1.3 × as long in the second state.
+/// It also tells how far apart the two threads sit. On a Zen 4 VM whose host moves its two vCPUs
+/// between nearer and farther cores (a cache line passed back and forth took 61 ns or 330 ns,
+/// by turns lasting seconds), it read 0.05-0.08 µs or 0.19-0.21 µs, and 9-row passes, which
+/// hand data between the threads at every step, took 8.1-8.4 ms or 10.3-11.2 ms with it.
 pub fn round_trip(joins: usize) -> Option<Duration> {
     helper()?;
     let mut times: Vec<Duration> = (0..joins + 16)
