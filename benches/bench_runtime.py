@@ -214,7 +214,8 @@ def by_rounds(
 
 def far_rounds(trips: list[float | None]) -> list[bool]:
     """Which rounds ran with the threads farther apart than in the closest: a round trip more
-    than 2.5 × the least (on one die they vary by up to 1.6 ×, apart they take 4 ×)."""
+    than 2.5 × the least (with the threads near, they vary by up to 1.6 ×; far, 2.5-4 × the
+    least)."""
     known = [t for t in trips if t is not None]
     least = min(known, default=None)
     return [least is not None and t is not None and t > 2.5 * least for t in trips]
