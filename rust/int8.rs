@@ -934,15 +934,11 @@ pub(crate) mod tests {
         .collect()
     }
 
+    /// Groups of activations to round: random ones (a seed each), then a group of zeros and
+    /// groups whose quotients fall on halves (ties round to even) and on the ±127 ends.
     #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn vector_quantization_gives_the_scalar_values() {
-        if !is_x86_feature_detected!("avx2") {
-            return;
-        }
-        // Random groups, a group of zeros, and groups whose quotients fall on halves (ties
-        // round to even) and on the ±127 ends.
-        let mut groups: Vec<Vec<f32>> = (0..200).map(|s| lcg(s, GROUP)).collect();
+    fn rounding_cases(seeds: std::ops::Range<u64>) -> Vec<Vec<f32>> {
+        let mut groups: Vec<Vec<f32>> = seeds.map(|s| lcg(s, GROUP)).collect();
         groups.push(vec![0.0; GROUP]);
         groups.push((0..GROUP).map(|i| i as f32 - 15.5).collect());
         groups.push(
@@ -950,7 +946,16 @@ pub(crate) mod tests {
                 .map(|i| (i as f32 - 16.0) * 127.0 / 16.0)
                 .collect(),
         );
-        for x in &groups {
+        groups
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_quantization_gives_the_scalar_values() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        for x in &rounding_cases(0..200) {
             let (mut a, mut b) = ([0i8; GROUP], [0i8; GROUP]);
             let scale = quantize(x, &mut a);
             // SAFETY: AVX2 was checked above.
@@ -976,17 +981,9 @@ pub(crate) mod tests {
         if !is_x86_feature_detected!("avx512f") {
             return;
         }
-        // Random groups, then a group of zeros and groups whose quotients fall on halves and
-        // on the ±127 ends, in rows of 1, 3 and 18 groups; the special ones come last, where a
-        // loop that stopped a group short would miss them.
-        let mut groups: Vec<Vec<f32>> = (0..40).map(|s| lcg(s + 300, GROUP)).collect();
-        groups.push(vec![0.0; GROUP]);
-        groups.push((0..GROUP).map(|i| i as f32 - 15.5).collect());
-        groups.push(
-            (0..GROUP)
-                .map(|i| (i as f32 - 16.0) * 127.0 / 16.0)
-                .collect(),
-        );
+        // In rows of 1, 3 and 18 groups, the special groups last, where a loop that stopped a
+        // group short would miss them.
+        let groups = rounding_cases(300..340);
         for per_row in [1, 3, 18] {
             for chunk in groups.rchunks(per_row) {
                 let x: Vec<f32> = chunk.concat();
