@@ -14,6 +14,9 @@
 //! - attention of 9 query heads over 3 kv heads (head size 64) at 1 and 9 rows after 500 and
 //!   2000 cached tokens, one layer, over a float32 and a float16 cache.
 //!
+//! It first prints the threads' round trip (`helper::round_trip`), which tells how far apart
+//! their cores sit.
+//!
 //! `benches/bench_linear.py` and `benches/bench_runtime.py` time the same kernels through the
 //! Python package beside torch's; this is the core alone, for work on the kernels.
 
@@ -384,6 +387,11 @@ fn float_products() {
 }
 
 fn main() {
+    // Every figure below that splits work between the threads depends on how far apart their
+    // cores are; a VM's host may move them (docs/benchmarks.md, "The VM's two states").
+    if let Some(trip) = specfast::helper::round_trip(101) {
+        println!("threads' round trip: {:.2} µs", trip.as_secs_f64() * 1e6);
+    }
     peak_rates();
     products();
     float_products();
