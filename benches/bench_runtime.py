@@ -191,22 +191,26 @@ def interleaved_rounds(
 
 def by_rounds(
     samples: list[list[float]], trips: list[float | None], far: list[bool], ns: list[int]
-) -> tuple[dict, dict | None]:
-    """Each bucket's median seconds (and the ratio to n=1, where there is an n=1) over the
-    rounds that `far` leaves out, then over those it marks (None if none), with the median
-    round trip of each kind of round."""
+) -> tuple[list[dict], list[dict] | None]:
+    """Per bucket, its median seconds, its ratio to n=1 (where there is an n=1) and the median
+    round trip, over the rounds that `far` leaves out; then the same over those it marks (None
+    if none)."""
     one = ns.index(1) if 1 in ns else None
 
-    def median_of(keep: list[bool]) -> dict:
+    def median_of(keep: list[bool]) -> list[dict]:
         seconds = [
             statistics.median(t for t, k in zip(ts, keep, strict=True) if k) for ts in samples
         ]
         known = [t for t, k in zip(trips, keep, strict=True) if k and t is not None]
-        return {
-            "seconds": seconds,
-            "vs_n1": [None if one is None else t / seconds[one] for t in seconds],
-            "round_trip_seconds": statistics.median(known) if known else None,
-        }
+        trip = statistics.median(known) if known else None
+        return [
+            {
+                "seconds": t,
+                "vs_n1": None if one is None else t / seconds[one],
+                "round_trip_seconds": trip,
+            }
+            for t in seconds
+        ]
 
     near = median_of([not f for f in far])
     return near, median_of(far) if any(far) else None
@@ -345,15 +349,13 @@ def measure(
             far = far_rounds(trips)
             timed_ns = [row["n"] for row, _ in warm]
             near, apart = by_rounds(samples, trips, far, timed_ns)
-            first = near["seconds"][timed_ns.index(1)] if 1 in timed_ns else None
+            first = near[timed_ns.index(1)]["seconds"] if 1 in timed_ns else None
             for i, (row, warmup) in enumerate(warm):
                 row = {**row, "rounds": len(far), "far_rounds": sum(far)}
-                row["round_trip_seconds"] = near["round_trip_seconds"]
+                row["round_trip_seconds"] = near[i]["round_trip_seconds"]
                 if apart:
-                    row["far"] = {
-                        k: v if k == "round_trip_seconds" else v[i] for k, v in apart.items()
-                    }
-                rows.add(finished(row, near["seconds"][i], first, warmup, device, bw))
+                    row["far"] = apart[i]
+                rows.add(finished(row, near[i]["seconds"], first, warmup, device, bw))
     del model, dec
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -1106,14 +1106,14 @@ unsafe fn score_tile<V: Lanes>(
 ) {
     let hd = qs.len() / ends.len(); // one query per item
     let qrow = |i: usize| &qs[i * hd..(i + 1) * hd];
+    let can_pair = V::WIDE && hd.is_multiple_of(LANES);
     let mut at = 0;
     while at < ends.len() {
         ahead.step();
         let (i, e) = ends[at];
         let mut j = j0;
         // The next item, where it is over the same keys and can share them.
-        let wide = V::WIDE && hd.is_multiple_of(LANES);
-        let pair = ends.get(at + 1).filter(|&&(_, e2)| wide && e2 == e);
+        let pair = ends.get(at + 1).filter(|&&(_, e2)| can_pair && e2 == e);
         if let Some(&(i2, _)) = pair {
             while j + 8 <= e {
                 let acc = key_lanes_two::<V>(qrow(i), qrow(i2), kt.as_ptr().add((j - j0) * hd));
