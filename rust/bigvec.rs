@@ -13,7 +13,7 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-const HUGE: usize = 2 << 20;
+pub(crate) const HUGE: usize = 2 << 20;
 
 pub struct BigVec<T: Copy> {
     ptr: NonNull<T>,
@@ -177,7 +177,7 @@ impl<T: Copy + fmt::Debug> fmt::Debug for BigVec<T> {
 }
 
 /// Asks Linux to back `[ptr, ptr + len)` (2 MiB-aligned) with 2 MiB pages; elsewhere a no-op.
-fn advise_huge_pages(ptr: *mut u8, len: usize) {
+pub(crate) fn advise_huge_pages(ptr: *mut u8, len: usize) {
     #[cfg(target_os = "linux")]
     // SAFETY: the range is a live allocation of ours; the advice changes no contents.
     unsafe {

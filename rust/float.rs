@@ -14,12 +14,13 @@ use crate::attention::{self, Path};
 use crate::error::Error;
 use crate::helper::Shared;
 use crate::int8::{check_product, Kernel, Product, PARALLEL_MIN, UNITS};
+use crate::slab::WeightBuf;
 
 /// A float32 weight matrix (rows = output features, cols = input features), row-major.
 pub struct FloatMatrix {
     rows: usize,
     cols: usize,
-    weight: Vec<f32>,
+    weight: WeightBuf<f32>,
 }
 
 impl FloatMatrix {
@@ -39,7 +40,7 @@ impl FloatMatrix {
         Ok(FloatMatrix {
             rows,
             cols,
-            weight: weight.to_vec(),
+            weight: WeightBuf::from_slice(weight),
         })
     }
 

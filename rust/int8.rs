@@ -16,6 +16,7 @@
 
 use crate::error::Error;
 use crate::helper::Shared;
+use crate::slab::WeightBuf;
 
 /// Output rows per packed block.
 const BLOCK: usize = 16;
@@ -153,9 +154,9 @@ pub(crate) fn quantize(x: &[f32], out: &mut [i8]) -> f32 {
 pub struct Int8Matrix {
     rows: usize,
     cols: usize,
-    width: usize,     // cols padded to whole groups
-    packed: Vec<i8>,  // [ceil(rows / 16)][width / 4][16][4]
-    scales: Vec<f32>, // (rows,) one per output row, padded to whole blocks with 0
+    width: usize,           // cols padded to whole groups
+    packed: WeightBuf<i8>,  // [ceil(rows / 16)][width / 4][16][4]
+    scales: WeightBuf<f32>, // (rows,) one per output row, padded to whole blocks with 0
 }
 
 impl Int8Matrix {
@@ -185,8 +186,8 @@ impl Int8Matrix {
         let width = cols.next_multiple_of(GROUP);
         let runs = width / 4;
         let blocks = rows.div_ceil(BLOCK);
-        let mut packed = vec![0i8; blocks * runs * BLOCK * 4];
-        let mut scales = vec![0.0f32; blocks * BLOCK];
+        let mut packed = WeightBuf::from_elem(0i8, blocks * runs * BLOCK * 4);
+        let mut scales = WeightBuf::from_elem(0.0f32, blocks * BLOCK);
         let mut q = vec![0i8; cols];
         for o in 0..rows {
             scales[o] = quantize(&weight[o * cols..(o + 1) * cols], &mut q);

@@ -4,6 +4,7 @@
 //! - [`bigvec`]: the growable array it keeps its states and transitions in (2 MiB pages).
 //! - [`drafter`]: the n-gram drafter built on it (match policies, evidence-capped k, corpus).
 //! - [`corpus`]: saving a drafter's corpus to a versioned, checksummed file and loading it back.
+//! - [`slab`]: the buffers a model's weights live in, side by side on 2 MiB pages.
 //! - [`accept`]: greedy verification and residual rejection sampling.
 //! - [`int8`]: int8 matrix products whose rows are quantized, and so computed, independently.
 //! - [`float`]: float32 weight products whose rows are computed independently, as int8's.
@@ -28,6 +29,7 @@ pub mod helper;
 pub mod int8;
 pub mod layer;
 pub mod q4;
+pub mod slab;
 pub mod tiles;
 
 #[cfg(feature = "python")]

@@ -27,6 +27,7 @@ use half::f16;
 use crate::error::Error;
 use crate::helper::Shared;
 use crate::int8::{check_product, Activations, Kernel, Product, GROUP, PARALLEL_MIN};
+use crate::slab::WeightBuf;
 
 /// Output rows per packed block.
 const BLOCK: usize = 16;
@@ -46,10 +47,10 @@ pub const MAX_COLS: usize = 1 << 20;
 pub struct Q4Matrix {
     rows: usize,
     cols: usize,
-    width: usize,      // cols padded to whole groups
-    packed: Vec<u8>,   // [ceil(rows / 16)][width / 8][64]
-    scale: Vec<f16>,   // [ceil(rows / 16)][width / 32][16]: d
-    minimum: Vec<f16>, // as scale: m
+    width: usize,            // cols padded to whole groups
+    packed: WeightBuf<u8>,   // [ceil(rows / 16)][width / 8][64]
+    scale: WeightBuf<f16>,   // [ceil(rows / 16)][width / 32][16]: d
+    minimum: WeightBuf<f16>, // as scale: m
 }
 
 impl Q4Matrix {
@@ -115,9 +116,9 @@ impl Q4Matrix {
         let width = cols.next_multiple_of(GROUP);
         let blocks = rows.div_ceil(BLOCK);
         let pairs = width / 8;
-        let mut packed = vec![0u8; blocks * pairs * 64];
-        let mut scale = vec![f16::ZERO; blocks * groups * BLOCK];
-        let mut minimum = vec![f16::ZERO; blocks * groups * BLOCK];
+        let mut packed = WeightBuf::from_elem(0u8, blocks * pairs * 64);
+        let mut scale = WeightBuf::from_elem(f16::ZERO, blocks * groups * BLOCK);
+        let mut minimum = WeightBuf::from_elem(f16::ZERO, blocks * groups * BLOCK);
         for o in 0..rows {
             let (b, lane) = (o / BLOCK, o % BLOCK);
             for k in 0..cols {
@@ -756,7 +757,7 @@ mod tests {
         let m = Q4Matrix::quantize(&w, rows, cols).unwrap();
         let (q, d, mn) = m.parts();
         let again = Q4Matrix::from_parts(&q, &d, &mn, rows, cols).unwrap();
-        assert_eq!(again.packed, m.packed);
+        assert_eq!(again.packed[..], m.packed[..]);
         let groups = cols.div_ceil(GROUP);
         for o in 0..rows {
             for k in 0..cols {
