@@ -187,9 +187,40 @@ pub(crate) fn advise_huge_pages(ptr: *mut u8, len: usize) {
     let _ = (ptr, len);
 }
 
+/// Asks for 2 MiB pages on the whole 2 MiB-aligned ranges inside `[addr, addr + len)`, memory
+/// allocated elsewhere (a torch tensor's): pages touched after the advice come as huge pages
+/// where the kernel has them. Advice only, which changes no contents, so any range is safe; a
+/// range that is not mapped is refused by the kernel. Returns the bytes advised: 0 where no
+/// whole aligned range lies inside, or off Linux.
+pub fn advise_huge_range(addr: usize, len: usize) -> usize {
+    let Some(start) = addr.checked_next_multiple_of(HUGE) else {
+        return 0;
+    };
+    let end = addr.saturating_add(len) / HUGE * HUGE;
+    if end <= start || cfg!(not(target_os = "linux")) {
+        return 0;
+    }
+    advise_huge_pages(start as *mut u8, end - start);
+    end - start
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_range_is_advised_on_its_whole_aligned_pages_only() {
+        let buf = vec![0u8; 3 * HUGE];
+        let addr = buf.as_ptr() as usize;
+        let inside = (addr + 3 * HUGE) / HUGE * HUGE - addr.next_multiple_of(HUGE);
+        assert_eq!(advise_huge_range(addr, 3 * HUGE), inside);
+        assert!(
+            inside >= HUGE,
+            "3 MiB-wide pages hold at least one aligned 2 MiB range"
+        );
+        assert_eq!(advise_huge_range(addr, HUGE - 1), 0);
+        assert_eq!(advise_huge_range(usize::MAX - 10, 100), 0);
+    }
 
     #[test]
     fn behaves_like_a_vec_across_the_huge_boundary() {

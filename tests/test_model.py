@@ -1,6 +1,9 @@
 """The runtime against itself: cached decoding == a full no-cache forward; rollback; bad input."""
 
+import ctypes
 import dataclasses
+import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_upper_left
 
 from specfast import Model, ModelConfig
-from specfast._core import Int8Matrix
+from specfast._core import Int8Matrix, advise_huge_pages
 from specfast.targets.base import argmax_rows
 from specfast.targets.torch import model as model_module
 from specfast.targets.torch.kv_cache import KVCache
@@ -387,3 +390,58 @@ def test_argmax_rows_keeps_torchs_rules_on_ties_and_nans():
     for logits in (big, big[:, ::2], big.bfloat16(), big[3]):
         got = argmax_rows(logits)
         assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+
+
+def _thp_eligible(address: int) -> bool | None:
+    """Whether Linux may back the mapping holding `address` with 2 MiB pages (smaps'
+    THPeligible), or None where this cannot be read."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    return None
+
+
+def _thp_setting() -> str:
+    try:
+        setting = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    if "[never]" in setting:
+        pytest.skip("transparent huge pages are off")
+    return setting
+
+
+def test_advise_huge_pages_marks_a_fresh_mapping_eligible():
+    if "[madvise]" not in _thp_setting():
+        pytest.skip("under `always` every mapping is eligible: nothing to tell apart")
+    size = 8 << 20
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = ctypes.c_char.from_buffer(region)
+    address = ctypes.addressof(view)
+    try:
+        # Not advised yet: the control, which a check that always says "eligible" would fail.
+        assert _thp_eligible(address + size // 2) is False
+        advised = advise_huge_pages(address, size)
+        assert advised >= size - (2 << 20) and advised % (2 << 20) == 0
+        assert _thp_eligible(address + size // 2) is True
+        assert advise_huge_pages(address, (2 << 20) - 1) == 0  # no whole aligned page inside
+    finally:
+        del view
+        region.close()
+
+
+def test_a_cpu_cache_is_zeroed_on_memory_advised_for_huge_pages():
+    shape = (2, 2, 4096, 64)  # 4 MiB a buffer in float32: whole aligned pages inside
+    cache = KVCache(*shape, "cpu", torch.float32)
+    assert all(t.shape == shape and not t.any() for t in (cache.k, cache.v))
+    _thp_setting()
+    assert _thp_eligible(cache.k.data_ptr() + cache.k.nbytes // 2) is True

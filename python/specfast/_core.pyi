@@ -17,6 +17,7 @@ __all__ = [
     "accept_greedy",
     "accept_sampled",
     "accept_sampled_with_uniforms",
+    "advise_huge_pages",
     "amx_usable",
     "ggml_tile_restorer",
     "int8_kernel",
@@ -53,6 +54,10 @@ def ggml_tile_restorer() -> int: ...
 # ---- the helper thread that products and attention split their work with (rust/helper.rs) ------
 
 def thread_round_trip() -> float | None: ...
+
+# ---- memory (rust/bigvec.rs) -------------------------------------------------------------------
+
+def advise_huge_pages(address: int, nbytes: int) -> int: ...
 
 # ---- int8 and 4-bit matrix products (rust/int8.rs, rust/q4.rs) --------------------------------
 

@@ -50,6 +50,13 @@ fn thread_round_trip() -> Option<f64> {
     crate::helper::round_trip(101).map(|d| d.as_secs_f64())
 }
 
+/// Asks Linux for 2 MiB pages on the whole aligned 2 MiB ranges of `nbytes` from `address`
+/// (a CPU tensor's memory, before it is first written); the bytes advised. Advice only.
+#[pyfunction]
+fn advise_huge_pages(address: usize, nbytes: usize) -> usize {
+    crate::bigvec::advise_huge_range(address, nbytes)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     drafter::register(m)?;
@@ -62,5 +69,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(amx_usable, m)?)?;
     m.add_function(wrap_pyfunction!(ggml_tile_restorer, m)?)?;
     m.add_function(wrap_pyfunction!(thread_round_trip, m)?)?;
+    m.add_function(wrap_pyfunction!(advise_huge_pages, m)?)?;
     Ok(())
 }

@@ -6,6 +6,7 @@ import weakref
 
 import torch
 
+from specfast._core import advise_huge_pages
 from specfast.targets.base import check_rollback
 
 
@@ -22,10 +23,7 @@ class KVCache:
             # Always inference tensors: a compiled step guards on that, so a cache made outside
             # inference_mode would be a second graph.
             with torch.inference_mode():
-                buffers = (
-                    torch.zeros(shape, device=device, dtype=dtype),
-                    torch.zeros(shape, device=device, dtype=dtype),
-                )
+                buffers = (_zeros(shape, device, dtype), _zeros(shape, device, dtype))
         self.k, self.v = buffers  # (n_layers, Hkv, S, hd) each
         # The compiled step writes these in place (index_copy_). Inductor's CUDA graphs skip,
         # silently but for a counter, any graph that mutates an input not marked static; marked,
@@ -62,6 +60,17 @@ class KVCache:
         new = KVCache(L, Hkv, S, hd, self.k.device, self.k.dtype)
         new.copy_from(self)
         return new
+
+
+def _zeros(shape, device, dtype) -> torch.Tensor:
+    """A zeroed buffer; on CPU, on 2 MiB pages where Linux gives them (asked for before the
+    zeros touch the memory): SmolLM2's one-row int8 and q4 passes after 500 tokens 1-3 % faster
+    on a Zen 4, alternated in one process with a cache on 4 KiB pages."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    t = torch.empty(shape, device=device, dtype=dtype)
+    advise_huge_pages(t.data_ptr(), t.nbytes)
+    return t.zero_()
 
 
 # Free buffers of compiled decoders' caches: {model: {(capacity, device, dtype): [(k, v), ...]}}
