@@ -1,14 +1,15 @@
 //! specfast's core: plain Rust with no Python in it.
 //!
 //! - [`automaton`]: an online suffix automaton over token ids.
-//! - [`bigvec`]: the growable array it keeps its states and transitions in (2 MiB pages).
+//! - [`bigvec`]: the growable array it keeps its states and transitions in (2 MiB pages), and
+//!   the same advice for memory allocated elsewhere (a CPU KV cache).
 //! - [`drafter`]: the n-gram drafter built on it (match policies, evidence-capped k, corpus).
 //! - [`corpus`]: saving a drafter's corpus to a versioned, checksummed file and loading it back.
-//! - [`slab`]: the buffers a model's weights live in, side by side on 2 MiB pages.
 //! - [`accept`]: greedy verification and residual rejection sampling.
 //! - [`int8`]: int8 matrix products whose rows are quantized, and so computed, independently.
 //! - [`float`]: float32 weight products whose rows are computed independently, as int8's.
 //! - [`q4`]: 4-bit (llama.cpp Q4_1) weight products, rows computed independently as int8's.
+//! - [`slab`]: the buffers those products' weights live in, side by side on 2 MiB pages.
 //! - [`attention`]: causal attention whose rows are computed, like int8's, independently.
 //! - [`layer`]: one int8 transformer layer in one call, rows computed independently.
 //! - [`helper`]: a second thread that splits a short job in two without a wake-up delay.
