@@ -113,41 +113,33 @@ unsafe impl<T: Copy + Sync> Sync for WeightBuf<T> {}
 impl<T: Copy> WeightBuf<T> {
     /// `len` copies of `fill`.
     pub fn from_elem(fill: T, len: usize) -> Self {
-        Self::carved(&SLABS, fill, len)
+        Self::carved(&SLABS, len, |_| fill)
     }
 
     /// A copy of `src`.
     pub fn from_slice(src: &[T]) -> Self {
-        let Some(&first) = src.first() else {
-            return Self::empty();
-        };
-        let mut buf = Self::from_elem(first, src.len());
-        buf.copy_from_slice(src);
-        buf
+        Self::carved(&SLABS, src.len(), |i| src[i])
     }
 
-    fn empty() -> Self {
-        WeightBuf {
-            ptr: NonNull::dangling(),
-            len: 0,
-            slab: None,
-        }
-    }
-
-    fn carved(slabs: &Slabs, fill: T, len: usize) -> Self {
+    /// `len` items out of `slabs`, item i written as `item(i)`.
+    fn carved(slabs: &Slabs, len: usize, item: impl Fn(usize) -> T) -> Self {
         assert!(
             size_of::<T>() > 0 && align_of::<T>() <= LINE,
             "WeightBuf holds items of 1 to {LINE}-byte alignment"
         );
         if len == 0 {
-            return Self::empty();
+            return WeightBuf {
+                ptr: NonNull::dangling(),
+                len: 0,
+                slab: None,
+            };
         }
         let bytes = len.checked_mul(size_of::<T>()).expect("WeightBuf size");
         let (slab, ptr) = slabs.carve(bytes);
         let ptr = ptr.cast::<T>();
         for i in 0..len {
             // SAFETY: the carved bytes hold len items, on a line, which T's alignment divides.
-            unsafe { ptr.as_ptr().add(i).write(fill) };
+            unsafe { ptr.as_ptr().add(i).write(item(i)) };
         }
         WeightBuf {
             ptr,
@@ -191,7 +183,7 @@ mod tests {
         let lens = [1usize, 7, 64, 1000, 4096, 100_000, 3];
         let mut bufs: Vec<WeightBuf<u32>> = lens
             .iter()
-            .map(|&n| WeightBuf::carved(&slabs, 0, n))
+            .map(|&n| WeightBuf::carved(&slabs, n, |_| 0))
             .collect();
         for (b, buf) in bufs.iter_mut().enumerate() {
             for (i, v) in buf.iter_mut().enumerate() {
@@ -221,9 +213,9 @@ mod tests {
     #[test]
     fn a_full_slab_gives_way_to_a_new_one_and_big_buffers_get_their_own() {
         let slabs = Slabs::new();
-        let half = WeightBuf::carved(&slabs, 1u8, SLAB / 2);
-        let most = WeightBuf::carved(&slabs, 2u8, SLAB / 2 - LINE);
-        let next = WeightBuf::carved(&slabs, 3u8, 2 * LINE); // no room left in the first
+        let half = WeightBuf::carved(&slabs, SLAB / 2, |_| 1u8);
+        let most = WeightBuf::carved(&slabs, SLAB / 2 - LINE, |_| 2u8);
+        let next = WeightBuf::carved(&slabs, 2 * LINE, |_| 3u8); // no room left in the first
         assert!(Arc::ptr_eq(half.slab_of(), most.slab_of()));
         assert!(!Arc::ptr_eq(half.slab_of(), next.slab_of()));
         assert!(half.iter().all(|&v| v == 1) && most.iter().all(|&v| v == 2));
@@ -237,8 +229,8 @@ mod tests {
     #[test]
     fn a_slab_is_freed_with_its_last_buffer() {
         let slabs = Slabs::new();
-        let a = WeightBuf::carved(&slabs, 0u16, 1000);
-        let b = WeightBuf::carved(&slabs, 0u16, 10);
+        let a = WeightBuf::carved(&slabs, 1000, |_| 0u16);
+        let b = WeightBuf::carved(&slabs, 10, |_| 0u16);
         let slab = Arc::downgrade(a.slab_of());
         drop(a);
         assert!(slab.upgrade().is_some(), "b still lies in the slab");
@@ -248,7 +240,7 @@ mod tests {
             "no buffer left, yet the slab lives"
         );
         // The next buffer then starts a new slab at its beginning.
-        let c = WeightBuf::carved(&slabs, 0u16, 10);
+        let c = WeightBuf::carved(&slabs, 10, |_| 0u16);
         assert_eq!(c.as_ptr() as usize % HUGE, 0);
     }
 }
