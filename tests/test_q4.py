@@ -181,6 +181,53 @@ def test_auto_times_q4_only_where_the_file_is_4bit(tmp_path, monkeypatch):
     assert hit == entry and again.weights == entry["weights"]
 
 
+def test_dtype_auto_on_amx_keeps_the_faster_of_bf16_and_float32(tmp_path, monkeypatch):
+    from conftest import tiny_llama_gguf
+
+    import specfast.targets.torch.int8 as int8_module
+    from specfast import hardware
+
+    monkeypatch.setattr(int8_module, "AUTO_MIN_WEIGHTS", 0)
+    step_ms = {torch.bfloat16: 2.0, torch.float32: 1.0}
+    monkeypatch.setattr(int8_module, "_step_seconds", lambda model: step_ms[model.dtype])
+    loaded = []
+
+    def load(dtype):
+        loaded.append(dtype)
+        return tiny_model().to(dtype=dtype)
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"stands for a model file")
+    for faster, cache in [("float32", "a"), ("bfloat16", "b")]:
+        monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path / cache))
+        step_ms[torch.float32] = 1.0 if faster == "float32" else 3.0
+        loaded.clear()
+        model, entry = int8_module.auto_float_dtype(source, load)
+        assert entry["dtype"] == faster and str(model.dtype) == f"torch.{faster}"
+        assert {"bfloat16_ms", "float32_ms"} <= set(entry)
+        assert loaded == [torch.bfloat16, torch.float32]
+        loaded.clear()
+        again, hit = int8_module.auto_float_dtype(source, load)  # from the cache: one load
+        assert hit == entry and again.dtype == model.dtype and loaded == [model.dtype]
+    monkeypatch.setattr(int8_module, "available_memory", lambda: 1000)
+    monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path / "c"))
+    model, entry = int8_module.auto_float_dtype(source, load)
+    assert model.dtype == torch.bfloat16 and entry["reason"] == "no room for a float32 copy"
+    # load_model times it where the CPU has AMX-BF16 (the probe stands in here), not elsewhere
+    monkeypatch.setattr(int8_module, "available_memory", lambda: 1 << 40)
+    monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path / "d"))
+    path = tiny_llama_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr(hardware, "cpu_has_amx_bf16", lambda: True)
+    step_ms[torch.float32] = 1.0
+    assert specfast.load_model(path, weights="float").dtype == torch.float32
+    assert specfast.load_model(path, weights="float", dtype="bfloat16").dtype == torch.bfloat16
+    step_ms[torch.float32] = 3.0
+    monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path / "e"))
+    assert specfast.load_model(path, weights="float").dtype == torch.bfloat16
+    monkeypatch.setattr(hardware, "cpu_has_amx_bf16", lambda: False)
+    assert specfast.load_model(path, weights="float").dtype == torch.float32
+
+
 @pytest.mark.smollm
 def test_the_smollm_gguf_is_4bit_and_a_float_model_is_not(smollm_gguf):
     assert specfast.load_model(smollm_gguf, weights="float").file_is_4bit

@@ -4,8 +4,9 @@ On a CPU without native bf16 (AVX2 only), torch emulates bf16 arithmetic: a 4096
 matrix-vector product ran at 2.7 GB/s against 21 GB/s in float32 on such a machine. And a float32
 model's passes run in the core at the memory's rate (rust/float.rs), exact to themselves: on a
 Zen 4 with AVX512-BF16 a SmolLM2 step took 19.6 ms there against 25.1 ms through torch's bf16
-(oneDNN), which reads half the bytes. So "auto" picks bf16 on a CPU only with AMX, whose bf16
-tiles oneDNN runs.
+(oneDNN), which reads half the bytes. So "auto" starts from bf16 on a CPU only with AMX, whose
+bf16 tiles oneDNN runs, and load_model then times it against float32 for the model at hand
+(targets/torch/int8.py: auto_float_dtype).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def cpu_has_amx_bf16() -> bool:
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA (fp16 where bf16 is unsupported); on CPU bf16 only with AMX-BF16."""
+    """bf16 on CUDA (fp16 where bf16 is unsupported); on CPU bf16 only with AMX-BF16 (where
+    load_model times it against float32)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_amx_bf16() else torch.float32

@@ -15,7 +15,7 @@ from specfast.formats.gguf import load_gguf
 from specfast.formats.hf_folder import load_hf_folder
 from specfast.targets.base import default_model_path
 from specfast.targets.llama_cpp import load_llama
-from specfast.targets.torch.int8 import QUANTIZED, auto_weights, check_weights
+from specfast.targets.torch.int8 import QUANTIZED, auto_float_dtype, auto_weights, check_weights
 from specfast.targets.torch.model import Model, resolve_device, resolve_dtype, trim_heap
 from specfast.targets.torch.steps import resolve_compile, warmup
 
@@ -33,7 +33,8 @@ def load_model(
     """A GGUF file or a HF checkpoint folder (config.json + *.safetensors) -> Model.
 
     path=None loads the default model (SmolLM2-135M-Instruct). dtype "auto" picks by hardware:
-    bf16 on CUDA (fp16 without bf16), on CPU bf16 only with AMX-BF16, else float32; "float32" |
+    bf16 on CUDA (fp16 without bf16); on CPU float32, or with AMX-BF16 whichever of bf16 and
+    float32 steps faster for this model (timed once per CPU and shape); "float32" |
     "bfloat16" | "float16" are honoured as given. `model.dtype` is the dtype chosen. compile
     "auto" | "on" | "off": "auto" compiles the decode and verify steps on CUDA (static shapes,
     CUDA graphs) and runs eager on CPU, where it measured faster.
@@ -67,7 +68,11 @@ def load_model(
     if quantized:
         dtype = resolve_dtype(dtype, device) if dtype != "auto" else None
         return _load(path, device, dtype, weights)
-    model = _load(path, device, resolve_dtype(dtype, device), "float")
+    float_dtype = resolve_dtype(dtype, device)
+    if dtype == "auto" and float_dtype == torch.bfloat16 and device.type == "cpu" and not compiled:
+        model, _ = auto_float_dtype(path, lambda dtype: _load(path, device, dtype, "float"))
+    else:
+        model = _load(path, device, float_dtype, "float")
     if try_int8:
         kinds = ("int8", "q4") if model.file_is_4bit else ("int8",)
         model, _ = auto_weights(model, lambda kind: _load(path, device, None, kind), kinds)
