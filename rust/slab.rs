@@ -159,7 +159,7 @@ impl<T: Copy> WeightBuf<T> {
 impl<T: Copy> Deref for WeightBuf<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
-        // SAFETY: len items were written in from_elem; ptr is dangling only when len == 0.
+        // SAFETY: len items were written in `carved`; ptr is dangling only when len == 0.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }

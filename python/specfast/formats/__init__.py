@@ -34,7 +34,7 @@ def load_model(
 
     path=None loads the default model (SmolLM2-135M-Instruct). dtype "auto" picks by hardware:
     bf16 on CUDA (fp16 without bf16); on CPU float32, or with AMX-BF16 whichever of bf16 and
-    float32 steps faster for this model (timed once per CPU and shape); "float32" |
+    float32 steps faster for this model (timed once per CPU and file); "float32" |
     "bfloat16" | "float16" are honoured as given. `model.dtype` is the dtype chosen. compile
     "auto" | "on" | "off": "auto" compiles the decode and verify steps on CUDA (static shapes,
     CUDA graphs) and runs eager on CPU, where it measured faster.

@@ -12,8 +12,9 @@ output equal to its own plain output.
 `load_model(weights="auto")` picks int8, or q4 where the file's layer matrices are 4-bit already
 (so auto never stores fewer bits than the file), where a timed decode step says it is faster than
 the float weights at the dtype "auto" chose. On a CPU with AMX, dtype "auto" is itself timed:
-bfloat16 (oneDNN's tiles) against float32 (the core). Each choice is kept per CPU and model shape
-in `~/.cache/specfast/weights.json` (`SPECFAST_CACHE` moves it), so it is timed once.
+bfloat16 (oneDNN's tiles) against float32 (the core). The choices are kept per CPU and model
+shape (weights) or model file (dtype) in `~/.cache/specfast/weights.json` (`SPECFAST_CACHE` moves
+it), so each is timed once.
 """
 
 from __future__ import annotations
@@ -108,12 +109,11 @@ def _cache_path() -> Path:
     return Path(root) / "weights.json"
 
 
-def _key(model, dtype: torch.dtype, kinds: tuple[str, ...]) -> str:
-    c = model.config
-    shape = (c.dim, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size)
+def _key(*what) -> str:
+    """A cache key for `what` on this CPU, kernel, torch and thread count."""
     flags = " ".join(sorted(proc_cpu_flags() or ()))
     raw = f"{KERNEL_VERSION}|{flags}|{torch.__version__}|{int8_kernel()}|"
-    raw += f"{torch.get_num_threads()}|{dtype}|{shape}|{kinds}"
+    raw += f"{torch.get_num_threads()}|" + "|".join(map(str, what))
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -139,7 +139,9 @@ def auto_weights(
     if sum(p.numel() for p in model.parameters()) < AUTO_MIN_WEIGHTS:
         return model, {"weights": "float", "reason": f"under {AUTO_MIN_WEIGHTS} weights"}
     loaders = {"float": lambda: model, **{kind: (lambda k=kind: load(k)) for kind in kinds}}
-    choice, fastest, entry = _fastest(_key(model, model.dtype, kinds), loaders)
+    c = model.config
+    shape = (c.dim, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size)
+    choice, fastest, entry = _fastest(_key(model.dtype, shape, kinds), loaders)
     entry = {"weights": choice, "float_dtype": str(model.dtype), **entry}
     if choice == "float":
         return model, entry
@@ -154,9 +156,7 @@ def auto_float_dtype(source: Path, load: Callable[[torch.dtype], Any]) -> tuple[
     stepped in 18.7-19.3 ms in float32 against 22.6-27.7 in bf16, while Qwen2.5 1.5B took 209
     against 144. A float32 copy that would take over half the memory left is not tried."""
     stat = source.stat()
-    raw = f"{KERNEL_VERSION}|{' '.join(sorted(proc_cpu_flags() or ()))}|{torch.__version__}|"
-    raw += f"{torch.get_num_threads()}|{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    key = hashlib.sha256(raw.encode()).hexdigest()[:16]
+    key = _key("dtype", source.resolve(), stat.st_size, stat.st_mtime_ns)
     hit = _read_cache().get(key)
     if isinstance(hit, dict) and hit.get("choice") in ("bfloat16", "float32"):
         timings = {k: v for k, v in hit.items() if k != "choice"}
