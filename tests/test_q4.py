@@ -224,6 +224,8 @@ def test_dtype_auto_on_amx_keeps_the_faster_of_bf16_and_float32(tmp_path, monkey
     step_ms[torch.float32] = 3.0
     monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path / "e"))
     assert specfast.load_model(path, weights="float").dtype == torch.bfloat16
+    with pytest.raises(FileNotFoundError, match="no model at"):
+        specfast.load_model(tmp_path / "missing.gguf")
     monkeypatch.setattr(hardware, "cpu_has_amx_bf16", lambda: False)
     assert specfast.load_model(path, weights="float").dtype == torch.float32
 
