@@ -142,6 +142,8 @@ def test_vocabulary_mismatch_is_refused():
 class RecordingDecoder:
     """Wraps a decoder and records its length at every forward."""
 
+    torch_threads, cold_passes = None, 0  # the Decoder protocol's hints
+
     def __init__(self, inner, log):
         self.inner, self.log = inner, log
 
@@ -401,6 +403,8 @@ def test_combined_drafter_greedy_equals_plain():
 
 class ContentDecoder:
     """Wraps a decoder and tracks what its cache holds: forward writes at length, rollback cuts."""
+
+    torch_threads, cold_passes = None, 0  # the Decoder protocol's hints
 
     def __init__(self, inner, skip_rollback=False):
         self.inner, self.content, self.skip_rollback = inner, [], skip_rollback

@@ -4,6 +4,7 @@ neither maturin nor the editable install; each bench row lands in runtime.jsonl 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -64,13 +65,26 @@ def test_rehearsal_runs_from_the_installed_wheel_and_records_every_row(tmp_path)
     assert "skipped" in (out / "tests.log").read_text()  # the cuda-marked tests, collected
 
 
+def avoided_modules() -> list[str]:
+    """The script's AVOID list: what the isolated Python must not see."""
+    text = SCRIPT.read_text()
+    block = text[text.index('AVOID="') + len('AVOID="') :]
+    return block[: block.index('"')].split()
+
+
 def test_control_a_python_that_sees_site_packages_whole_is_refused(tmp_path):
-    """Without -S the .pth files run: the editable install and maturin are visible, and the
-    rehearsal stops there."""
+    """Without -S the site-packages of this Python are visible whole, and the rehearsal stops
+    there, naming what it saw: each AVOID module this Python can import (in a venv or on the
+    system Python alike; the test packages are always among them)."""
+    visible = [
+        m for m in avoided_modules() if m != "specfast" and importlib.util.find_spec(m) is not None
+    ]
+    assert visible, "the test environment imports none of AVOID: the control proves nothing"
     p = rehearse(tmp_path, PY_FLAGS="", INSTALL_ONLY="1")
     assert p.returncode != 0
-    assert "visible to the check" in p.stdout + p.stderr
-    assert "maturin" in p.stdout + p.stderr
+    out = p.stdout + p.stderr
+    assert "visible to the check" in out
+    assert all(f"'{m}'" in out for m in visible), (visible, out[-2000:])
 
 
 def test_a_row_that_fails_is_a_row(tmp_path):

@@ -30,15 +30,8 @@ from specfast.sampling import (
     position_uniforms,
     sample_rows,
 )
-from specfast.targets import (
-    context_hint,
-    is_model,
-    make_decoder,
-    model_eos_ids,
-    model_facts,
-    model_tokenizer,
-)
-from specfast.targets.base import to_device
+from specfast.targets import as_target, make_decoder
+from specfast.targets.base import Decoder, Target, to_device
 from specfast.targets.torch.int8 import torch_threads
 
 MAX_SPECULATIVE_TOKENS = 64
@@ -204,7 +197,7 @@ class Settings:
 
 
 def check_settings(
-    model,
+    target: Target,
     tokenizer,
     *,
     max_new_tokens: int = 128,
@@ -231,11 +224,10 @@ def check_settings(
         raise TypeError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
     if seed is not None and not 0 <= seed < 2**64:
         raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed}")
-    eos_ids = _eos_ids(eos_token_id, model, tokenizer, ignore_eos)
+    eos_ids = _eos_ids(eos_token_id, target, ignore_eos)
     stops = _stop_strings(stop_strings, tokenizer)
     seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     sampling = None if temperature == 0 else (seed, params)
-    vocab_size, _, device = model_facts(model)
     return Settings(
         max_new_tokens,
         sampling,
@@ -245,8 +237,8 @@ def check_settings(
         stops,
         streamer,
         tokenizer,
-        vocab_size,
-        device,
+        target.vocab_size,
+        target.device,
     )
 
 
@@ -279,17 +271,12 @@ def generate(
     A call is a one-turn Session: it prefills the whole prompt into a fresh cache.
     """
     fixed_k = check_k(num_speculative_tokens)
-    if not is_model(model):
-        raise TypeError(
-            f"model must be a specfast model (load_model), a transformers causal LM or a "
-            f"llama_cpp.Llama, "
-            f"got {type(model).__name__}"
-        )
-    tokenizer = tokenizer if tokenizer is not None else model_tokenizer(model)
-    vocab_size, max_context, device = model_facts(model)
+    target = as_target(model)
+    tokenizer = tokenizer if tokenizer is not None else target.tokenizer
+    vocab_size, max_context = target.vocab_size, target.max_context
     common_tokens(draft_vocabulary, vocab_size)  # checked even when no draft model uses it
     settings = check_settings(
-        model,
+        target,
         tokenizer,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -303,16 +290,16 @@ def generate(
         ignore_eos=ignore_eos,
     )
     if _is_messages(prompt):  # chat messages: the model's own chat template, as pipelines do
-        prompt = render_chat(prompt, getattr(model, "chat_template", None))
-    prompt_ids = prompt_to_ids(prompt, tokenizer, vocab_size, device)
+        prompt = render_chat(prompt, target.chat_template)
+    prompt_ids = prompt_to_ids(prompt, tokenizer, vocab_size, target.device)
     if len(prompt_ids) + max_new_tokens > max_context:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {max_context} tokens{context_hint(model)}"
+            f"model's context of {max_context} tokens{target.context_hint}"
         )
     the_drafter = make_drafter(
         drafter,
-        target=model,
+        target=target,
         fixed_k=fixed_k,
         max_length=len(prompt_ids) + max_new_tokens,
         seed=settings.seed,
@@ -322,12 +309,12 @@ def generate(
     )
     start = time.perf_counter()
     with torch.inference_mode():
-        decoder = make_decoder(model, len(prompt_ids) + max_new_tokens)
+        decoder = make_decoder(target, len(prompt_ids) + max_new_tokens)
         return run_turn(decoder, the_drafter, prompt_ids, 0, settings, fixed_k, start=start)
 
 
 def run_turn(
-    decoder,
+    decoder: Decoder,
     drafter,
     ids: list[int],
     indexed: int,
@@ -345,7 +332,7 @@ def run_turn(
     drafter.start_turn(s.seed, s.params if s.sampling is not None else None)
     # A decoder may ask for torch on fewer threads (an int8 model's, whose core keeps a helper
     # thread spinning on the second core through a generation).
-    threads = getattr(decoder, "torch_threads", None) or torch.get_num_threads()
+    threads = decoder.torch_threads or torch.get_num_threads()
     with torch.inference_mode(), torch_threads(threads):
         reused = decoder.length
         new = torch.tensor(ids[reused:], dtype=torch.long, device=s.device)
@@ -371,7 +358,9 @@ def run_turn(
     return GenerateOutput(emit.token_ids, text, stats, emit.finish_reason)
 
 
-def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: GenerationStats):
+def speculate(
+    decoder: Decoder, drafter, emit: _Emitter, settings: Settings, stats: GenerationStats
+):
     """One round: propose, verify [last, *draft] in one target pass, accept, roll back the
     rejected rows, commit, tell the drafter. The same for every drafter (drafters/)."""
     budget = emit.max_new_tokens - len(emit.token_ids) - 1  # proposals past this are wasted
@@ -410,10 +399,10 @@ def speculate(decoder, drafter, emit: _Emitter, settings: Settings, stats: Gener
     drafter.extend(emit.token_ids[-committed:])
 
 
-def cold_passes(decoder) -> int:
+def cold_passes(decoder: Decoder) -> int:
     """How many of the decoder's passes so far compiled a graph or recorded a CUDA graph (a
-    compiled target's first passes of a shape); 0 for runtimes that never compile."""
-    return getattr(decoder, "cold_passes", 0)
+    compiled target's first passes of a shape): the round's one place that reads it."""
+    return decoder.cold_passes
 
 
 def _verify(decoder, tokens, draft, q, pos, sampling, device, layers=None):
@@ -475,25 +464,16 @@ def _check_draft(draft: list[int], vocab_size: int) -> None:
             raise ValueError(f"the drafter proposed {t!r}; ids must be ints in [0, {vocab_size})")
 
 
-def _eos_ids(eos_token_id, model, tokenizer, ignore_eos: bool) -> set[int]:
+def _eos_ids(eos_token_id, target: Target, ignore_eos: bool) -> set[int]:
     if ignore_eos:
         return set()
     if eos_token_id is None:
-        return set(model_eos_ids(model) or _hf_eos(model))
+        return set(target.eos_token_ids)
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int):
             raise TypeError(f"eos_token_id must be an int or a list of ints, got {t!r}")
     return set(ids)
-
-
-def _hf_eos(model) -> list[int]:
-    config = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if config is None:
-        config = getattr(getattr(model, "config", None), "eos_token_id", None)
-    if config is None:
-        return []
-    return [config] if isinstance(config, int) else list(config)
 
 
 def _stop_strings(stop_strings, tokenizer) -> list[str]:

@@ -62,8 +62,8 @@ from specfast.generate import (
     render_chat,
     run_turn,
 )
-from specfast.targets import copy_decoder, is_model, make_decoder, model_facts, model_tokenizer
-from specfast.targets.base import common_prefix
+from specfast.targets import as_target, make_decoder
+from specfast.targets.base import Target, common_prefix
 
 DEFAULT_MAX_LENGTH = 8192
 # Options fixed when the session starts: they shape the drafter.
@@ -107,11 +107,7 @@ class Session:
         tokenizer: Any = None,
         **defaults: Any,
     ):
-        if not is_model(model):
-            raise TypeError(
-                f"model must be a specfast model (load_model) or a transformers causal LM, "
-                f"got {type(model).__name__}"
-            )
+        target = as_target(model)
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str or None, got {type(system).__name__}")
         unknown = sorted(set(defaults) - set(PER_TURN_OPTIONS) - set(SESSION_OPTIONS))
@@ -121,9 +117,10 @@ class Session:
                 f"and {list(SESSION_OPTIONS)}"
             )
         self.model = model
+        self.target: Target = target
         self.system = system
-        self.tokenizer = tokenizer if tokenizer is not None else model_tokenizer(model)
-        self.vocab_size, context, self.device = model_facts(model)
+        self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
+        self.vocab_size, context, self.device = target.vocab_size, target.max_context, target.device
         if max_length is None:
             max_length = min(context, DEFAULT_MAX_LENGTH)
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
@@ -198,7 +195,7 @@ class Session:
         unknown = sorted(set(kwargs) - set(PER_TURN_OPTIONS))
         if unknown:
             raise TypeError(f"unknown send() option(s) {unknown}; allowed: {PER_TURN_OPTIONS}")
-        return check_settings(self.model, self.tokenizer, **{**self.defaults, **kwargs})
+        return check_settings(self.target, self.tokenizer, **{**self.defaults, **kwargs})
 
     def _turn(self, message, ids, settings, turns, start: int | None) -> GenerateOutput:
         """Runs one turn continuing `ids`; on success the history is `turns` plus this one,
@@ -212,7 +209,7 @@ class Session:
             )
         keep = common_prefix(ids, self._ids)
         if self._decoder is None:
-            self._decoder = make_decoder(self.model, self.max_length)
+            self._decoder = make_decoder(self.target, self.max_length)
         before_ids, before_cache = self._ids, self._decoder.length
         cache_keep = self._reusable(ids, keep)
         self._decoder.rollback(cache_keep)
@@ -238,7 +235,7 @@ class Session:
         """The NgramDrafter to draft with: loaded from the corpus file if it exists."""
         if not (drafter == "ngram" or isinstance(drafter, NgramDrafter)):
             raise ValueError(f'corpus= needs drafter="ngram" (or an NgramDrafter), got {drafter!r}')
-        self.fingerprint = corpus_fingerprint(self.model, self.tokenizer)
+        self.fingerprint = corpus_fingerprint(self.target, self.tokenizer)
         if os.path.exists(self.corpus_path):
             return NgramDrafter.load(self.corpus_path, fingerprint=self.fingerprint)
         return NgramDrafter() if isinstance(drafter, str) else drafter
@@ -267,7 +264,7 @@ class Session:
                     "turns. Keep to one kind per session (or reset() it)"
                 )
             msgs = [*self.messages(), {"role": "user", "content": message}]
-            text = render_chat(msgs, getattr(self.model, "chat_template", None))
+            text = render_chat(msgs, self.target.chat_template)
             return encode_text(self.tokenizer, text)
         if self.system is not None and not self._turns:
             raise ValueError(
@@ -311,7 +308,7 @@ class Session:
         new.defaults = dict(self.defaults)
         new._turns = list(self._turns)
         new._ids = list(self._ids)
-        new._decoder = None if self._decoder is None else copy_decoder(self.model, self._decoder)
+        new._decoder = None if self._decoder is None else self._decoder.copy()
         # One writer per corpus file; the fork drafts from the documents the parent holds,
         # which are what the file holds (saved after every turn).
         new.corpus_path = None
@@ -320,7 +317,7 @@ class Session:
     def _make_drafter(self, drafter, settings):
         return make_drafter(
             drafter,
-            target=self.model,
+            target=self.target,
             fixed_k=self.fixed_k,
             max_length=self.max_length,
             seed=settings.seed,
@@ -337,10 +334,11 @@ class Session:
 def corpus_fingerprint(model, tokenizer=None) -> str:
     """What a saved corpus must match to be loaded: the tokenizer's vocabulary size and hash
     (corpus.tokenizer_fingerprint), or the model's vocabulary size when it has no tokenizer."""
-    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    target = as_target(model)
+    tokenizer = tokenizer if tokenizer is not None else target.tokenizer
     if tokenizer is not None and callable(getattr(tokenizer, "get_vocab", None)):
         return tokenizer_fingerprint(tokenizer)
-    return f"vocab={model_facts(model)[0]};no-tokenizer"
+    return f"vocab={target.vocab_size};no-tokenizer"
 
 
 def _end(turn: Turn) -> int:

@@ -600,14 +600,15 @@ def plot_sweep(summary: dict, path: Path, title: str) -> Path:
 def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     """`specfast bench`: build workloads and engines, run interleaved, print, write JSON + plots."""
     engines_wanted = list(args.engines)
-    own_prompts = read_prompts(args.prompts) if getattr(args, "prompts", None) else None
+    opts = vars(args)  # bench_main is also called with namespaces that lack some options
+    own_prompts = read_prompts(args.prompts) if opts.get("prompts") else None
     sf_needed = (
         any(e.startswith("specfast-") and e not in LLAMA_ALL for e in engines_wanted)
         or args.sweep_k
     )
     llamas: dict[str, Any] = {}
     if any(e in LLAMA_ALL for e in engines_wanted):
-        threads = getattr(args, "llama_threads", None)
+        threads = opts.get("llama_threads")
         llamas = load_llamas(model_path, engines_wanted, args.draft, n_threads=threads)
     hf_needed = any(e.startswith("hf-") for e in engines_wanted)
 
@@ -623,11 +624,11 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             device=args.device,
             dtype=requested_dtype,
             compile=args.compile,
-            weights=getattr(args, "weights", "auto"),
+            weights=opts.get("weights", "auto"),
         )
         sf_model = specfast.load_model(str(model_path), **load)
         if any(e.startswith("specfast-eagle") for e in engines_wanted):
-            sf_eagle = specfast.load_eagle(getattr(args, "eagle", None), sf_model)
+            sf_eagle = specfast.load_eagle(opts.get("eagle"), sf_model)
         if args.draft:
             sf_draft = specfast.load_model(str(args.draft), **load)
         if args.draft and "specfast-draft-int8" in engines_wanted:
@@ -646,7 +647,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
     # One tokenization for every engine, so all of them see the same ids.
     llama_any = llamas.get("target") or llamas.get("lookup")
     if sf_model is not None:
-        template = getattr(sf_model, "chat_template", None)
+        template = sf_model.chat_template
 
         def encode(text: str) -> list[int]:
             return list(sf_model.tokenizer.encode(text).ids)
@@ -655,7 +656,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         encode = LlamaTokenizer(llama_any).encode
     else:
         tok = load_hf_tokenizer(model_path)
-        template = getattr(tok, "chat_template", None)
+        template = tok.chat_template  # a transformers tokenizer's (None without one)
 
         def encode(text: str) -> list[int]:
             return list(tok(text, add_special_tokens=False).input_ids)
@@ -694,7 +695,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             engines[e] = hf_engine(hf_model, "assisted", max_new_tokens=n, assistant=hf_draft)
     if llamas:
         engines |= build_llama_engines(
-            engines_wanted, llamas, k=args.k, max_new_tokens=n, eagle=getattr(args, "eagle", None)
+            engines_wanted, llamas, k=args.k, max_new_tokens=n, eagle=opts.get("eagle")
         )
     if args.sweep_k:
         if "specfast-plain" not in engines:
@@ -721,20 +722,21 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         runs = run_interleaved(prompts, engines, args.repeats, sync=sync, on_run=on_run)
     summary = summarize(runs)
 
+    runtime = sf_model.describe() if sf_model is not None else {}
     meta = machine_info(args.device) | {
         "command": " ".join(["specfast", *argv]),
         "model": str(model_path),
         "draft": str(args.draft) if args.draft else None,
-        "eagle": str(getattr(args, "eagle", None) or "shipped")
+        "eagle": str(opts.get("eagle") or "shipped")
         if sf_eagle is not None or "specfast-llama-eagle" in engines
         else None,
         "dtype": args.dtype,
         "dtype_requested": requested_dtype,
-        "specfast_dtype": str(getattr(sf_model, "dtype", "")).removeprefix("torch.") or None,
-        "weights": getattr(sf_model, "weights", None),
-        "kv_dtype": str(getattr(sf_model, "kv_dtype", "")).removeprefix("torch.") or None,
+        "specfast_dtype": runtime.get("dtype"),
+        "weights": runtime.get("weights"),
+        "kv_dtype": runtime.get("kv_dtype"),
         "compile": args.compile,
-        "step": "compiled" if getattr(sf_model, "compiled_step", None) is not None else "eager",
+        "step": runtime.get("step", "eager"),
         **peak_memory(args.device),
         "max_new_tokens": n,
         "repeats": args.repeats,
@@ -762,7 +764,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         print(format_pass_costs(name, c))
     eos_ids: list[int] = []
     if sf_model is not None:
-        eos_ids = list(getattr(sf_model, "eos_token_ids", None) or [])
+        eos_ids = list(sf_model.eos_token_ids)
     elif llama_any is not None:
         eos_ids = llama_eos_ids(llama_any)
     elif hf_model is not None:

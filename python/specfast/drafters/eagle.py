@@ -30,7 +30,7 @@ from specfast.eagle.head import (
     load_eagle,
 )
 from specfast.sampling import copy_generator, logits_to_probs
-from specfast.targets.base import argmax_rows, to_device
+from specfast.targets.base import Target, argmax_rows, to_device
 from specfast.targets.torch.kv_cache import KVCache
 
 # The most rows one catch-up feeds the head. Rows the head has not read pile up while it does
@@ -65,7 +65,7 @@ class EagleDraft(Base):
 
     wants_features = True
 
-    def __init__(self, head: EagleHead, target, fixed_k: int | None, max_length: int):
+    def __init__(self, head: EagleHead, target: Target, fixed_k: int | None, max_length: int):
         facts = eagle_target(target)
         check_config_for_target(head.config, facts)
         if head.embed_tokens is None and head._shared_embed is None:
@@ -82,7 +82,7 @@ class EagleDraft(Base):
         self.target_ids = head.target_ids.to(w.device)  # (Vd,)
         with torch.inference_mode():
             # A target that runs int8 or q4 weights on CPU: the head's products in int8 too.
-            self.fast = head.fast_linears(int8=getattr(target, "weights", "float") != "float")
+            self.fast = head.fast_linears(int8=target.weights != "float")
         self.vocab_size = c.vocab_size
         self.committed: list[int] = []
         # Head cache positions [0, fed - origin) hold the target's real features of sequence

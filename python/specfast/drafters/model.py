@@ -31,10 +31,8 @@ import torch
 from specfast.autok import AutoK
 from specfast.drafters.base import Base, Proposal, copy_auto, draft_probability, observe_model
 from specfast.sampling import copy_generator, logits_to_probs
-from specfast.targets import copy_decoder, make_decoder, model_facts, tokenizer_vocab
-from specfast.targets.base import common_prefix, to_device
-from specfast.targets.llama_cpp import is_llama
-from specfast.targets.torch.model import Model
+from specfast.targets import make_decoder, tokenizer_vocab
+from specfast.targets.base import Target, common_prefix, to_device
 
 # A draft model whose vocabulary is larger than twice this proposes from its this-many lowest
 # token ids plus every token of the sequence (see DraftVocabulary); "auto" in generate().
@@ -44,9 +42,9 @@ COMMON_TOKENS = 32768
 class DraftModelDrafter:
     def __init__(
         self,
-        model,
+        model: Target,
         *,
-        target,
+        target: Target,
         max_length: int,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -58,13 +56,13 @@ class DraftModelDrafter:
     ):
         check_same_vocabulary(target, model)
         warn_if_draft_larger(target, model)
-        vocab_size, _, self.device = model_facts(model)
+        vocab_size, self.device = model.vocab_size, model.device
         self.model = model
         self.decoder = make_decoder(model, max_length)
         common = common_tokens(vocabulary, vocab_size)
         # The draft's output rows: all of them, or the common tokens plus those seen.
         self.vocab = None
-        if common is not None and isinstance(model, Model):
+        if common is not None and model.supports_head:
             self.vocab = DraftVocabulary(model, common, always=eos_ids)
         self.generator = torch.Generator(device=self.device)
         self.set_sampling(
@@ -107,7 +105,7 @@ class DraftModelDrafter:
         """A copy with its own KV cache (copied up to its length), committed tokens, last
         drafts, draft vocabulary and generator; its `keep_going` asks `auto` (an AutoK)."""
         new = copy.copy(self)
-        new.decoder = copy_decoder(self.model, self.decoder)
+        new.decoder = self.decoder.copy()
         new.committed, new._cached_drafts = list(self.committed), list(self._cached_drafts)
         new.sampling, new.confidences, new.draft_probs = dict(self.sampling), [], None
         new.generator = copy_generator(self.generator)
@@ -190,7 +188,7 @@ class DraftVocabulary:
     drafts are drawn from, and `expand` hands that q, zeros included, to the acceptance rule.
     """
 
-    def __init__(self, model: Model, common: int, always=()):
+    def __init__(self, model, common: int, always=()):
         self.model = model
         self.common = common
         self._common_rows = model.first_rows(common)
@@ -243,10 +241,10 @@ def common_tokens(vocabulary, vocab_size: int) -> int | None:
     return vocabulary if vocabulary < vocab_size else None
 
 
-def check_same_vocabulary(target, draft) -> None:
+def check_same_vocabulary(target: Target, draft: Target) -> None:
     """Raises ValueError unless target and draft share a vocabulary (size and token strings)."""
-    t_size, _, t_device = model_facts(target)
-    d_size, _, d_device = model_facts(draft)
+    t_size, t_device = target.vocab_size, target.device
+    d_size, d_device = draft.vocab_size, draft.device
     if t_size != d_size:
         raise ValueError(
             f"the draft model's vocabulary ({d_size} tokens) differs from the target's "
@@ -263,21 +261,12 @@ def check_same_vocabulary(target, draft) -> None:
         )
 
 
-def parameter_count(model) -> int:
-    """Parameters of a torch model, or of a llama_cpp.Llama (which has no .parameters())."""
-    if is_llama(model):
-        import llama_cpp
-
-        return int(llama_cpp.llama_model_n_params(model.model))
-    return sum(p.numel() for p in model.parameters())
-
-
-def warn_if_draft_larger(target, draft) -> None:
+def warn_if_draft_larger(target: Target, draft: Target) -> None:
     """Warns when the draft has more parameters than the target. Allowed, because the output is
     still exactly the target's (acceptance never depends on which model drafted), but each draft
     step then costs more than the target pass it is meant to save, so it is almost surely a
     mistake (the pair swapped). The target as its own draft (equal size) does not warn."""
-    n_target, n_draft = parameter_count(target), parameter_count(draft)
+    n_target, n_draft = target.parameter_count(), draft.parameter_count()
     if n_draft > n_target:
         warnings.warn(
             f"the draft model ({n_draft:,} parameters) is larger than the target "

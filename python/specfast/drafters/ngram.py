@@ -43,12 +43,14 @@ class IndexDraft(Base):
             self.auto.observe(n, n_accepted, verify_seconds, proposal.seconds, proposal.evidence)
 
     def rollback(self, kept) -> None:
-        if not hasattr(self.inner, "reset"):
+        try:
+            reset = self.inner.reset
+        except AttributeError:
             raise TypeError(
                 f"this drafter ({type(self.inner).__name__}) has no reset(), so it cannot be "
                 "rolled back; give it one or use drafter='ngram'"
-            )
-        self.inner.reset()
+            ) from None
+        reset()
         self.inner.extend(kept)
 
     def fork(self, ids) -> IndexDraft:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import types
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,10 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfast.formats.gguf import llama_embedding
-from specfast.targets.base import default_aux_layers
-from specfast.targets.hf import is_hf_model
-from specfast.targets.llama_cpp import check_layer_inputs, is_llama
+from specfast.targets import as_target
+from specfast.targets.base import EagleFacts, default_aux_layers
 from specfast.targets.torch.int8 import core_linear, quantize
 from specfast.targets.torch.model import (
     HAS_MKLDNN_LINEAR,
@@ -607,54 +604,14 @@ def head_from_tensors(config: EagleConfig, tensors: dict, target=None, where="")
     return head.requires_grad_(False)
 
 
-@dataclass
-class EagleTarget:
-    """What an EAGLE head needs of its target: sizes, the token embedding it shares, and the
-    dtype and device the head runs in."""
-
-    vocab_size: int
-    dim: int
-    n_layers: int
-    dtype: torch.dtype
-    device: torch.device
-    embedding: Callable[[torch.dtype], torch.Tensor]  # (V, D) in that dtype
+def eagle_target(target) -> EagleFacts:
+    """What an EAGLE head needs of `target` (anything as_target takes): a specfast Model, or a
+    llama_cpp.Llama whose llama.cpp returns per-layer inputs; the error says why any other
+    cannot feed one."""
+    return as_target(target).eagle_facts()
 
 
-def eagle_target(target) -> EagleTarget:
-    """A specfast Model, or a llama_cpp.Llama whose llama.cpp returns per-layer inputs (the
-    head then runs in torch at dtype "auto" on the CPU); the error says why any other is not."""
-    if isinstance(target, Model):
-        c = target.config
-        return EagleTarget(
-            c.vocab_size, c.dim, c.n_layers, target.dtype, target.device,
-            lambda dtype: target.embed.weight,
-        )  # fmt: skip
-    if is_llama(target):
-        import llama_cpp
-
-        check_layer_inputs(target)
-        model = target.model
-        return EagleTarget(
-            int(target.n_vocab()),
-            int(llama_cpp.llama_model_n_embd(model)),
-            int(llama_cpp.llama_model_n_layer(model)),
-            resolve_dtype("auto", "cpu"),
-            torch.device("cpu"),
-            lambda dtype: llama_embedding(target, dtype),
-        )
-    if is_hf_model(target):
-        raise ValueError(
-            "EAGLE drafting runs on specfast's runtime, which returns the target's hidden states "
-            "from the verify pass; the transformers adapter does not. Load the checkpoint folder "
-            "with specfast.load_model(path)"
-        )
-    raise TypeError(
-        f"the EAGLE target must be a specfast Model or a llama_cpp.Llama, got "
-        f"{type(target).__name__}"
-    )
-
-
-def check_config_for_target(config: EagleConfig, target: EagleTarget) -> None:
+def check_config_for_target(config: EagleConfig, target: EagleFacts) -> None:
     if config.vocab_size != target.vocab_size:
         raise ValueError(
             f"the EAGLE head is for a vocabulary of {config.vocab_size} tokens; the target has "

@@ -43,7 +43,7 @@ from specfast.serve.protocol import (
     parse_request,
     usage_chunk,
 )
-from specfast.targets import model_facts, model_tokenizer
+from specfast.targets import as_target
 from specfast.targets.base import common_prefix
 
 
@@ -98,15 +98,16 @@ class Server:
     jobs: set = field(default_factory=set)
 
     def __post_init__(self):
-        self.tokenizer = model_tokenizer(self.model)
-        self.vocab_size = model_facts(self.model)[0]
+        self.target = as_target(self.model)
+        self.tokenizer = self.target.tokenizer
+        self.vocab_size = self.target.vocab_size
 
     # ------------------------------------------------------------------ on the event loop
 
     def prompt_ids(self, req: Request) -> list[int]:
         """The request's rendered prompt, as generate() renders it for the same input."""
         if req.kind == "chat":
-            text = render_chat(req.prompt, getattr(self.model, "chat_template", None))
+            text = render_chat(req.prompt, self.target.chat_template)
             ids = encode_text(self.tokenizer, text)
         elif isinstance(req.prompt, str):
             ids = encode_text(self.tokenizer, req.prompt)

@@ -1,110 +1,159 @@
-"""What generate() needs to know of a model, whichever kind it is: a specfast Model, a
-transformers causal LM or a llama_cpp.Llama. One place dispatches on the type, so the loop
-never does."""
+"""Targets: every model the loop can verify with, behind one protocol (base.py, `Target`).
+
+`as_target` is the one place that asks what kind of model an object is. Every public entrance
+(generate, Session, a draft model, an EAGLE head's target, the server) calls it once; past it
+the code sees a Target and its Decoders, never a class.
+
+- a specfast Model (targets/torch/) is its own Target;
+- a transformers causal LM becomes an `HFTarget` (hf.py);
+- a llama_cpp.Llama becomes a `LlamaTarget` (llama_cpp/);
+- any other object with the target surface (TARGET_SURFACE) becomes an `ObjectTarget`, which
+  gives the capabilities it lacks their plain defaults (tests/test_custom_target.py is one).
+"""
 
 from __future__ import annotations
 
-import copy
-from typing import TYPE_CHECKING
+from typing import Any
 
-from specfast.targets import hf
-from specfast.targets.hf import HFDecoder, hf_vocab_and_context, is_hf_model
-from specfast.targets.llama_cpp import (
-    LlamaDecoder,
-    LlamaTokenizer,
-    is_llama,
-    llama_eos_ids,
-    llama_facts,
-)
-from specfast.targets.torch.model import Decoder
+import torch
 
-if TYPE_CHECKING:
-    # Only for annotations: at run time `torch` here names this package's torch/ (specfast's
-    # runtime), which importing it binds as an attribute of specfast.targets.
-    import torch
+from specfast.targets.base import Decoder, EagleFacts, Target
+from specfast.targets.hf import HFTarget, hf_eos_ids, is_hf_model
+from specfast.targets.llama_cpp.decoder import is_llama
+from specfast.targets.llama_cpp.target import LlamaTarget
+from specfast.targets.torch.model import Model
 
 __all__ = [
-    "context_hint",
-    "is_model",
+    "Decoder",
+    "Target",
+    "as_target",
     "is_target",
     "make_decoder",
-    "model_eos_ids",
-    "model_facts",
-    "model_tokenizer",
     "tokenizer_vocab",
+    "try_target",
 ]
 
-
-# What a target has, as specfast's own Model does: anything with these is a target as it
-# stands (tests/test_custom_target.py is one, in a single file). Its decoder(max_length) gives
-# length, forward, forward_greedy, greedy_ids and rollback (docs/architecture.md §3).
+# What an object needs to be a target as it stands: its decoder(max_length) gives length,
+# forward, forward_greedy, greedy_ids and rollback (docs/architecture.md §3).
 TARGET_SURFACE = ("vocab_size", "max_context", "device", "decoder")
+_WRAPPED = (Model, HFTarget, LlamaTarget)
 
 
-def is_target(obj) -> bool:
+def try_target(obj: Any) -> Target | None:
+    """`obj` as a Target (the same object when it is one already), or None for a non-model."""
+    if isinstance(obj, (*_WRAPPED, ObjectTarget)):
+        return obj
+    if isinstance(obj, type):
+        return None
+    if is_hf_model(obj):
+        return HFTarget(obj)
+    if is_llama(obj):
+        return LlamaTarget(obj)
+    if is_target(obj):
+        return ObjectTarget(obj)
+    return None
+
+
+def as_target(obj: Any) -> Target:
+    """`obj` as a Target, or TypeError naming what a model may be."""
+    target = try_target(obj)
+    if target is None:
+        raise TypeError(
+            "model must be a specfast Model (load_model), a transformers causal LM, a "
+            f"llama_cpp.Llama or an object with {', '.join(TARGET_SURFACE)}; got "
+            f"{type(obj).__name__}"
+        )
+    return target
+
+
+def is_target(obj: Any) -> bool:
     """True for an object with the target surface (TARGET_SURFACE), such as a specfast Model."""
     return not isinstance(obj, type) and all(hasattr(obj, a) for a in TARGET_SURFACE)
 
 
-def is_model(obj) -> bool:
-    return is_hf_model(obj) or is_llama(obj) or is_target(obj)
+def make_decoder(model: Any, max_length: int | None = None) -> Decoder:
+    """A decoder over one sequence of `model` (anything as_target takes)."""
+    return as_target(model).decoder(max_length)
 
 
-def model_facts(model) -> tuple[int, int, torch.device]:
-    """(vocab size as the logits see it, context length in positions, device)."""
-    if not is_hf_model(model) and is_target(model):
-        return model.vocab_size, model.max_context, model.device
-    if is_hf_model(model):
-        return (*hf_vocab_and_context(model), model.device)
-    if is_llama(model):
-        return llama_facts(model)
-    raise TypeError(
-        "expected a specfast model (load_model), a transformers causal LM or a llama_cpp.Llama, "
-        f"got {type(model).__name__}"
-    )
+def tokenizer_vocab(target: Target) -> dict[str, int] | None:
+    """The tokenizer's token -> id map, where the target has a tokenizer that gives one."""
+    get_vocab = getattr(target.tokenizer, "get_vocab", None)
+    return get_vocab() if callable(get_vocab) else None
 
 
-def make_decoder(model, max_length: int | None = None):
-    """A decoder (forward / rollback / length) over one sequence of `model`."""
-    if is_llama(model):
-        return LlamaDecoder(model, max_length)
-    if not is_hf_model(model) and is_target(model):
-        return model.decoder(max_length)
-    return hf.make_decoder(model, max_length)
+# ----------------------------------------------------------------------------
+# an object with the target surface
 
 
-def model_tokenizer(model):
-    """The model's tokenizer (encode / decode(skip_special_tokens=)), or None."""
-    if is_llama(model):
-        return LlamaTokenizer(model)  # Llama.tokenizer is a method, not a tokenizer
-    return getattr(model, "tokenizer", None)
+class ObjectTarget:
+    """An object with TARGET_SURFACE as a Target: what it has is used, the rest defaults (no
+    tokenizer, no features, float weights). Its decoders get the Decoder members they lack."""
+
+    supports_head = False
+    context_hint = ""
+
+    def __init__(self, obj: Any):
+        self.source = obj
+        self.vocab_size: int = obj.vocab_size
+        self.max_context: int = obj.max_context
+        self.device: torch.device = obj.device
+        self.tokenizer = getattr(obj, "tokenizer", None)
+        self.chat_template: str | None = getattr(obj, "chat_template", None)
+        own = getattr(obj, "eos_token_ids", None)
+        self.eos_token_ids: list[int] = list(own) if own else hf_eos_ids(obj)
+        self.weights: str = getattr(obj, "weights", "float")
+        self.features: bool = bool(getattr(obj, "features", False))
+
+    def decoder(self, max_length: int | None = None) -> Decoder:
+        return ObjectDecoder(self.source.decoder(max_length))
+
+    def parameter_count(self) -> int:
+        count = getattr(self.source, "parameter_count", None)
+        return int(count()) if callable(count) else 0
+
+    def eagle_facts(self) -> EagleFacts:
+        facts = getattr(self.source, "eagle_facts", None)
+        if not callable(facts):
+            raise TypeError(
+                "the EAGLE target must be a specfast Model or a llama_cpp.Llama (or give "
+                f"eagle_facts()), got {type(self.source).__name__}"
+            )
+        return facts()
+
+    def describe(self) -> dict[str, str]:
+        return {"runtime": type(self.source).__name__}
 
 
-def model_eos_ids(model) -> list[int] | None:
-    """The model's own end-of-generation ids, where it knows them."""
-    if is_llama(model):
-        return llama_eos_ids(model)
-    return getattr(model, "eos_token_ids", None)
+class ObjectDecoder:
+    """A decoder of an ObjectTarget: its own members, and the protocol's defaults for those it
+    lacks (no thread hint, no cold passes, reset as rollback(0), copy refused)."""
 
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.max_length: int = getattr(inner, "max_length", 0) or 2**31
+        self.forward = inner.forward
+        self.forward_greedy = inner.forward_greedy
+        self.greedy_ids = inner.greedy_ids
+        self.rollback = inner.rollback
 
-def context_hint(model) -> str:
-    """Which setting sets the context, for error messages."""
-    return "; build the Llama with a larger n_ctx" if is_llama(model) else ""
+    @property
+    def length(self) -> int:
+        return self.inner.length
 
+    @property
+    def torch_threads(self) -> int | None:
+        return getattr(self.inner, "torch_threads", None)
 
-def tokenizer_vocab(model) -> dict[str, int] | None:
-    tokenizer = model_tokenizer(model)
-    return tokenizer.get_vocab() if tokenizer is not None else None
+    @property
+    def cold_passes(self) -> int:
+        return getattr(self.inner, "cold_passes", 0)
 
+    def reset(self) -> None:
+        self.inner.rollback(0)
 
-def copy_decoder(model, decoder):
-    """A new decoder of `model` holding `decoder`'s first `decoder.length` positions (fork)."""
-    if isinstance(decoder, Decoder):
-        new = model.decoder(decoder.max_length)
-        new.cache.copy_from(decoder.cache)
-        return new
-    if isinstance(decoder, HFDecoder):
-        new = copy.copy(decoder)
-        new.cache = copy.deepcopy(decoder.cache)
-        return new
-    raise TypeError(f"fork() cannot copy a {type(decoder).__name__} cache")
+    def copy(self) -> Decoder:
+        copy = getattr(self.inner, "copy", None)
+        if not callable(copy):
+            raise TypeError(f"fork() cannot copy a {type(self.inner).__name__} cache")
+        return ObjectDecoder(copy())

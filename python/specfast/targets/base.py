@@ -1,15 +1,113 @@
-"""What every runtime shares: the checks each decoder makes of its ids, features and rollback
-(so specfast's runtime, transformers and llama.cpp refuse the same inputs with the same errors),
-moving a round's ids to the device, and where the default model file is."""
+"""The two protocols every runtime implements, and what they share.
+
+`Target` is a model as the loop sees it: facts asked once at the entrance (vocabulary, context,
+device, tokenizer, chat template, end ids), capabilities (features for an EAGLE head, a
+restricted output head for a draft model) and `decoder(max_length)`. `Decoder` is one sequence
+over a target, with its own cache. `specfast.targets.as_target` turns whatever the caller passed
+(a specfast Model, a transformers causal LM, a llama_cpp.Llama, or an object with the target
+surface) into a Target, once, at every public entrance; nothing outside targets/ asks what kind
+of model it holds.
+
+Also here: the checks each decoder makes of its ids, features and rollback (so every runtime
+refuses the same inputs with the same errors), moving a round's ids to the device, and where
+the default model file is.
+"""
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+
+class Tokenizer(Protocol):
+    """What the loop asks of a tokenizer (a `tokenizers.Tokenizer`, a transformers one, ...)."""
+
+    def encode(self, text: str) -> Any: ...  # a list of ids, or an object with `.ids`
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """One sequence over a target: a cache of `length` positions, at most `max_length`.
+
+    forward(ids (T,), last_only, features) -> float32 logits (T, V) ((1, V) with last_only);
+    with `features` (layer ids, or True for default_aux_layers) -> (logits, features (T, n*D)),
+    the residual stream entering those layers, from the same pass. forward_greedy -> the argmax
+    id of each row (T,), left on the device. Both append T tokens. greedy_ids is
+    forward_greedy over a list, returning a list: the greedy round's one host copy.
+    rollback(n) forgets everything past n positions in O(1). copy() is an independent decoder
+    holding the same positions (Session.fork), or TypeError where the cache cannot be copied.
+    """
+
+    max_length: int
+
+    @property
+    def length(self) -> int: ...
+    @property
+    def torch_threads(self) -> int | None:
+        """Threads torch's own ops should use between passes, or None for torch's choice."""
+        ...
+
+    @property
+    def cold_passes(self) -> int:
+        """Passes so far that compiled a graph or recorded a CUDA graph: no measure of cost."""
+        ...
+
+    def forward(self, ids: torch.Tensor, last_only: bool = False, features: Any = None) -> Any: ...
+    def forward_greedy(self, ids: torch.Tensor, features: Any = None) -> Any: ...
+    def greedy_ids(self, tokens: list[int]) -> list[int]: ...
+    def rollback(self, length: int) -> None: ...
+    def reset(self) -> None: ...
+    def copy(self) -> Decoder: ...
+
+
+@dataclass
+class EagleFacts:
+    """What an EAGLE head needs of its target: sizes, the token embedding it shares, and the
+    dtype and device the head runs in."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    dtype: torch.dtype
+    device: torch.device
+    embedding: Callable[[torch.dtype], torch.Tensor]  # (V, D) in that dtype
+
+
+@runtime_checkable
+class Target(Protocol):
+    """A model the loop can verify with. `source` is the object the caller passed, which
+    per-target state (auto k's measured pass costs) is keyed on."""
+
+    source: Any
+    vocab_size: int  # as the logits see it
+    max_context: int  # positions
+    device: torch.device
+    tokenizer: Tokenizer | None
+    eos_token_ids: list[int]  # the model's own end-of-generation ids (may be empty)
+    chat_template: str | None
+    weights: str  # "float", or "int8" / "q4" where the matrices run quantized
+    features: bool  # decoders return the inputs of chosen layers (an EAGLE head reads them)
+    output_rows: bool  # decoder.forward takes `head=` (a draft vocabulary's rows)
+    context_hint: str  # which setting sets the context, for error messages
+
+    def decoder(self, max_length: int | None = None) -> Decoder: ...
+    def parameter_count(self) -> int: ...
+    def eagle_facts(self) -> EagleFacts:
+        """The facts an EAGLE head needs, or ValueError/TypeError saying why this target
+        cannot feed one."""
+        ...
+
+    def describe(self) -> dict[str, str]:
+        """What a benchmark or the CLI prints about the runtime: dtype, weights, step, ..."""
+        ...
+
 
 _SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

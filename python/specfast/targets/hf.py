@@ -5,12 +5,18 @@ transformers is imported lazily, only when an HF model is actually used.
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
 
-from specfast.targets.base import argmax_rows, check_ids, check_rollback, to_device
-from specfast.targets.torch.model import Model
+from specfast.targets.base import (
+    EagleFacts,
+    argmax_rows,
+    check_ids,
+    check_rollback,
+    to_device,
+)
 
 
 def is_hf_model(obj) -> bool:
@@ -31,6 +37,9 @@ class HFDecoder:
 
     forward(ids (T,)) -> float32 logits (T, V), appending T tokens, exactly as `Decoder`.
     """
+
+    torch_threads = None
+    cold_passes = 0
 
     def __init__(self, hf_model, max_length: int | None = None):
         from transformers import DynamicCache
@@ -96,14 +105,58 @@ class HFDecoder:
     def reset(self) -> None:
         self.rollback(0)
 
+    def copy(self) -> HFDecoder:
+        """An independent decoder holding the same positions (its own copy of the cache)."""
+        new = copy.copy(self)
+        new.cache = copy.deepcopy(self.cache)
+        return new
 
-def make_decoder(model, max_length: int | None = None):
-    """A decoder for a specfast Model or any transformers causal LM."""
-    if isinstance(model, Model):
-        return model.decoder(max_length)
-    if is_hf_model(model):
-        return HFDecoder(model, max_length)
-    raise TypeError(
-        f"expected a specfast Model (from load_model) or a transformers causal LM, "
-        f"got {type(model).__name__}"
-    )
+
+class HFTarget:
+    """A transformers causal LM behind the Target protocol. Its decoders return no features,
+    so EAGLE heads refuse it; its end ids come from the generation config."""
+
+    chat_template: str | None = None
+    weights = "float"
+    features = False
+    supports_head = False
+    context_hint = ""
+
+    def __init__(self, hf_model):
+        self.source = hf_model
+        self.vocab_size, self.max_context = hf_vocab_and_context(hf_model)
+        self.tokenizer = getattr(hf_model, "tokenizer", None)
+        self.chat_template = getattr(hf_model, "chat_template", None)
+        own = getattr(hf_model, "eos_token_ids", None)
+        self.eos_token_ids = list(own) if own else hf_eos_ids(hf_model)
+
+    @property
+    def device(self) -> torch.device:
+        return self.source.device
+
+    def decoder(self, max_length: int | None = None) -> HFDecoder:
+        return HFDecoder(self.source, max_length)
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.source.parameters())
+
+    def eagle_facts(self) -> EagleFacts:
+        raise ValueError(
+            "EAGLE drafting runs on specfast's runtime, which returns the target's hidden states "
+            "from the verify pass; the transformers adapter does not. Load the checkpoint folder "
+            "with specfast.load_model(path)"
+        )
+
+    def describe(self) -> dict[str, str]:
+        dtype = str(next(self.source.parameters()).dtype).removeprefix("torch.")
+        return {"runtime": "transformers", "dtype": dtype, "weights": "float", "step": "eager"}
+
+
+def hf_eos_ids(hf_model) -> list[int]:
+    """The end ids of a transformers model's generation config (or config), else none."""
+    config = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+    if config is None:
+        config = getattr(getattr(hf_model, "config", None), "eos_token_id", None)
+    if config is None:
+        return []
+    return [config] if isinstance(config, int) else list(config)

@@ -86,6 +86,9 @@ class LlamaDecoder:
     the cache entries past n.
     """
 
+    torch_threads = None  # torch runs no op between llama.cpp's passes
+    cold_passes = 0  # llama.cpp compiles nothing
+
     def __init__(self, llama, max_length: int | None = None):
         import llama_cpp
 
@@ -238,3 +241,7 @@ class LlamaDecoder:
 
     def reset(self) -> None:
         self.rollback(0)
+
+    def copy(self) -> LlamaDecoder:
+        """Refused: one Llama holds one sequence, so a fork would need a second Llama."""
+        raise TypeError("fork() cannot copy a llama.cpp cache: one Llama holds one sequence")

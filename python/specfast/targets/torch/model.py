@@ -22,6 +22,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from specfast._core import CoreLayers
 from specfast.hardware import auto_dtype
 from specfast.targets.base import (
+    EagleFacts,
     argmax_array,
     argmax_rows,
     check_aux_layers,
@@ -463,6 +464,36 @@ class Model(nn.Module):
 
     def decoder(self, max_length: int | None = None) -> Decoder:
         return Decoder(self, self.max_context if max_length is None else max_length)
+
+    # -- the rest of the Target protocol (targets/base.py): a Model is its own target
+
+    features = True  # its decoders return the inputs of chosen layers
+    supports_head = True  # its decoders' forward takes head= (OutputRows)
+    context_hint = ""
+
+    @property
+    def source(self) -> Model:
+        return self
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def eagle_facts(self) -> EagleFacts:
+        c = self.config
+        return EagleFacts(
+            c.vocab_size, c.dim, c.n_layers, self.dtype, self.device,
+            lambda dtype: self.embed.weight,
+        )  # fmt: skip
+
+    def describe(self) -> dict[str, str]:
+        """dtype, weights, the KV cache's dtype and how a pass runs (eager or compiled)."""
+        return {
+            "runtime": "specfast",
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "weights": self.weights,
+            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "step": "compiled" if self.compiled_step is not None else "eager",
+        }
 
     # -- rope
 
@@ -981,3 +1012,9 @@ class Decoder:
 
     def reset(self) -> None:
         self.cache.rollback(0)
+
+    def copy(self) -> Decoder:
+        """A new decoder of the same model holding this one's first `length` positions."""
+        new = self.model.decoder(self.max_length)
+        new.cache.copy_from(self.cache)
+        return new

@@ -1,0 +1,56 @@
+"""A `llama_cpp.Llama` as a Target: its facts, its decoder, and what an EAGLE head needs."""
+
+from __future__ import annotations
+
+import torch
+
+from specfast.targets.base import EagleFacts
+from specfast.targets.llama_cpp.decoder import LlamaDecoder, llama_facts
+from specfast.targets.llama_cpp.features import check_layer_inputs
+from specfast.targets.llama_cpp.tokenizer import LlamaTokenizer, llama_eos_ids
+
+
+class LlamaTarget:
+    """llama.cpp behind the Target protocol. Its logits come back to the CPU; its decoders
+    return layer inputs where check_layer_inputs passes (docs/llama-cpp.md)."""
+
+    chat_template: str | None = None
+    weights = "float"  # llama.cpp's own quantization is the file's: no specfast kernels
+    features = True
+    supports_head = False
+    context_hint = "; build the Llama with a larger n_ctx"
+
+    def __init__(self, llama):
+        self.source = llama
+        self.vocab_size, self.max_context, self.device = llama_facts(llama)
+        self.tokenizer = LlamaTokenizer(llama)  # Llama.tokenizer is a method, not a tokenizer
+        self.eos_token_ids = llama_eos_ids(llama)
+
+    def decoder(self, max_length: int | None = None) -> LlamaDecoder:
+        return LlamaDecoder(self.source, max_length)
+
+    def parameter_count(self) -> int:
+        import llama_cpp
+
+        return int(llama_cpp.llama_model_n_params(self.source.model))
+
+    def eagle_facts(self) -> EagleFacts:
+        """The head runs in torch at dtype "auto" on the CPU, on features llama.cpp returns."""
+        import llama_cpp
+
+        from specfast.formats.gguf import llama_embedding
+        from specfast.hardware import auto_dtype
+
+        llama = self.source
+        check_layer_inputs(llama)
+        return EagleFacts(
+            int(llama.n_vocab()),
+            int(llama_cpp.llama_model_n_embd(llama.model)),
+            int(llama_cpp.llama_model_n_layer(llama.model)),
+            auto_dtype(torch.device("cpu")),
+            torch.device("cpu"),
+            lambda dtype: llama_embedding(llama, dtype),
+        )
+
+    def describe(self) -> dict[str, str]:
+        return {"runtime": "llama.cpp", "weights": "the file's", "step": "llama_decode"}
