@@ -40,8 +40,11 @@ pub const ROW_SUM_TOLERANCE: f64 = 1e-3;
 /// bit-for-bit with the torch path (the residual `max(0, p − q)`) is done in the native type;
 /// sums and ratios are done in `f64`.
 pub trait Prob: Copy + PartialOrd + std::ops::Add<Output = Self> + Send + Sync + 'static {
+    /// The value 0.
     const ZERO: Self;
+    /// Positive infinity.
     const INFINITY: Self;
+    /// The value as an f64, exactly.
     fn to_f64(self) -> f64;
     /// `max(0, self − other)` in the native precision.
     #[must_use]

@@ -6,10 +6,9 @@
 //! a different token. torch's attention blocks its work by the number of rows. Here a row's
 //! scores, softmax and weighted sum read only that row's query and the keys it sees.
 //!
-//! Every sum is written as [`LANES`] independent lanes of fused multiply-adds, added in a fixed
-//! tree at the end, and the exponential is a polynomial of fused multiply-adds. IEEE rounds each
-//! of those operations exactly, and LLVM vectorizes them without reordering, so the AVX-512,
-//! AVX2 and portable builds of [`attend`] give the same bits.
+//! Its sums and exponentials are the SIMD layer's ([`crate::simd`]): lanes of fused
+//! multiply-adds in a fixed tree, so the AVX-512, AVX2 and portable builds of [`attend`] give
+//! the same bits.
 
 // The generic loops below must inline into each build's `#[target_feature]` entry point, or
 // their intrinsics run as calls: `inline(always)` is the point.
@@ -18,9 +17,9 @@
 use half::f16;
 
 use crate::error::{Error, Result};
+pub use crate::simd::{dot_product, silu_mul, Elem, Path};
+use crate::simd::{dots, key_lanes_two, Lanes, Portable, LANES};
 
-/// Independent accumulators per sum (one AVX-512 register, two AVX2 ones).
-const LANES: usize = 16;
 /// Below this many multiply-adds a pass runs on the calling thread alone.
 const PARALLEL_MIN: usize = 1 << 16;
 
@@ -33,53 +32,12 @@ pub struct Dims {
     pub heads: usize,
     /// Key/value heads Hkv; query head h reads kv head h / (H / Hkv).
     pub kv_heads: usize,
+    /// Width hd of a head.
     pub head_dim: usize,
     /// Slots S per kv head in the cache.
     pub capacity: usize,
     /// The position of the first row.
     pub pos: usize,
-}
-
-/// Which build of the loops runs. All give the same bits; the choice is speed only.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Path {
-    Avx512,
-    Avx2,
-    Portable,
-}
-
-impl Path {
-    pub fn best() -> Path {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Path::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
-                return Path::Avx2;
-            }
-        }
-        Path::Portable
-    }
-
-    pub fn supported(self) -> bool {
-        match self {
-            Path::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Path::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
-            #[cfg(target_arch = "x86_64")]
-            Path::Avx2 => {
-                std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                    && std::arch::is_x86_feature_detected!("f16c")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
-        }
-    }
 }
 
 /// out (H, T, hd) = softmax(q kᵀ / √hd) v per head, row t over keys `0..=pos + t`.
@@ -129,9 +87,7 @@ pub fn attend_with<E: Elem>(
     // one kv head, so that its items share the head's keys and values (`bundle`), and the
     // pieces are the kv heads cut once more at the middle item: each thread then takes about
     // half the items, and reads each kv head's keys and values for as many of them at once as
-    // it can. (SmolLM2's 3 kv heads at 9 rows: pieces of 27, 13, 14 and 27 items, for each
-    // thread 2 kv heads to read, where 6 pieces of 13-14 gave one thread 3: attention 3-6 %
-    // faster, at 2 rows 13 %, level at 1 row and in long passes.)
+    // it can (bench_attention.py; docs/benchmarks.md §13).
     let per_kv = n_items / d.kv_heads;
     let mut cuts: Vec<usize> = (0..=d.kv_heads).map(|h| h * per_kv).collect();
     cuts.push(n_items / 2);
@@ -175,411 +131,9 @@ fn check<E>(q: &[f32], k: &[E], v: &[E], out: &mut [f32], d: &Dims) -> Result<()
     Ok(())
 }
 
-/// Sixteen f32 lanes. Each build implements the same operations, each exactly rounded, so the
-/// loops below give the same bits through any of them.
-trait Lanes: Copy {
-    /// The build has 32 vector registers (AVX-512), not 16: room for twice the accumulators.
-    const WIDE: bool;
-    unsafe fn zero() -> Self;
-    unsafe fn splat(x: f32) -> Self;
-    /// The 16 values at `p`.
-    unsafe fn load(p: *const f32) -> Self;
-    /// The 16 half-precision values at `p`, as f32 (exactly: every f16 is an f32).
-    unsafe fn load_half(p: *const f16) -> Self;
-    unsafe fn store(self, p: *mut f32);
-    /// a · b + c, rounded once.
-    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
-    unsafe fn add(a: Self, b: Self) -> Self;
-    unsafe fn sub(a: Self, b: Self) -> Self;
-    unsafe fn mul(a: Self, b: Self) -> Self;
-    unsafe fn div(a: Self, b: Self) -> Self;
-    unsafe fn max(a: Self, b: Self) -> Self;
-    /// (l + l+8), then (l + l+4), (l + l+2), (l + l+1): a fixed tree.
-    unsafe fn sum(self) -> f32;
-    /// out[i] = a[i].sum() · scale. A build may do the 16 trees at once, level by level: the
-    /// same additions of the same pairs, so the same bits.
-    #[inline(always)]
-    unsafe fn sums_scaled(a: &[Self; 16], scale: f32, out: *mut f32) {
-        for (i, ai) in a.iter().enumerate() {
-            *out.add(i) = ai.sum() * scale;
-        }
-    }
-    /// e^x per lane, as [`exp`].
-    unsafe fn exp(self) -> Self;
-}
-
-/// What a KV cache holds: f32, or f16 (half the bytes for a pass to read, each value rounded
-/// once when the cache is written; attention computes in f32 either way).
-pub trait Elem: sealed::Sealed + Copy + Send + Sync + 'static {
-    /// The type is `half::f16`: loads convert (exactly, as every f16 is an f32).
-    const HALF: bool;
-    fn to_f32(self) -> f32;
-    /// dst[i] = src[i] rounded to nearest, ties to even, a vector at a time where the CPU
-    /// converts them (F16C).
-    fn from_f32_slice(dst: &mut [Self], src: &[f32]);
-}
-
-impl Elem for f32 {
-    const HALF: bool = false;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn from_f32_slice(dst: &mut [f32], src: &[f32]) {
-        dst.copy_from_slice(src);
-    }
-}
-
-impl Elem for f16 {
-    const HALF: bool = true;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    fn from_f32_slice(dst: &mut [f16], src: &[f32]) {
-        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
-    }
-}
-
-mod sealed {
-    /// f32 and f16 only: `widen` reads a cache that is not HALF as f32.
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for half::f16 {}
-}
-
-/// One lane of [`Lanes::exp`]: e^x within about 2 ulp for x in [-87.3, 88], 0 below, and
-/// e^88 above. Cody-Waite reduction x = n ln 2 + r, Cephes' degree-6 polynomial for e^r, then
-/// 2^n through the exponent bits.
-fn exp(x: f32) -> f32 {
-    let small = x < EXP_MIN;
-    #[allow(clippy::manual_clamp)] // max/min as the SIMD builds do them (clamp panics on NaN)
-    let x = x.max(EXP_MIN).min(EXP_MAX);
-    let n = x.mul_add(std::f32::consts::LOG2_E, 0.5).floor();
-    let r = n.mul_add(-LN2_HI, x);
-    let r = n.mul_add(-LN2_LO, r);
-    let mut p = EXP_POLY[0];
-    for &c in &EXP_POLY[1..] {
-        p = p.mul_add(r, c);
-    }
-    let y = (p * r).mul_add(r, r) + 1.0;
-    // n in [-126, 127] here, so the biased exponent n + 127 is a normal one.
-    let e = y * f32::from_bits(((n as i32 + 127) as u32) << 23);
-    if small {
-        0.0
-    } else {
-        e
-    }
-}
-
-const EXP_MIN: f32 = -87.3;
-const EXP_MAX: f32 = 88.0;
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
-const EXP_POLY: [f32; 6] = [
-    1.987_569_1e-4,
-    1.398_199_9e-3,
-    8.333_452e-3,
-    4.166_579_6e-2,
-    0.166_666_65,
-    0.5,
-];
-
-/// The portable build, and the reference for the others.
-#[derive(Clone, Copy)]
-struct Portable([f32; LANES]);
-
-impl Lanes for Portable {
-    const WIDE: bool = true;
-    unsafe fn zero() -> Self {
-        Portable([0.0; LANES])
-    }
-    unsafe fn splat(x: f32) -> Self {
-        Portable([x; LANES])
-    }
-    unsafe fn load(p: *const f32) -> Self {
-        Portable(std::array::from_fn(|l| *p.add(l)))
-    }
-    unsafe fn load_half(p: *const f16) -> Self {
-        Portable(std::array::from_fn(|l| (*p.add(l)).to_f32()))
-    }
-    unsafe fn store(self, p: *mut f32) {
-        for (l, &x) in self.0.iter().enumerate() {
-            *p.add(l) = x;
-        }
-    }
-    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
-        Portable(std::array::from_fn(|l| a.0[l].mul_add(b.0[l], c.0[l])))
-    }
-    unsafe fn add(a: Self, b: Self) -> Self {
-        Portable(std::array::from_fn(|l| a.0[l] + b.0[l]))
-    }
-    unsafe fn sub(a: Self, b: Self) -> Self {
-        Portable(std::array::from_fn(|l| a.0[l] - b.0[l]))
-    }
-    unsafe fn mul(a: Self, b: Self) -> Self {
-        Portable(std::array::from_fn(|l| a.0[l] * b.0[l]))
-    }
-    unsafe fn div(a: Self, b: Self) -> Self {
-        Portable(std::array::from_fn(|l| a.0[l] / b.0[l]))
-    }
-    unsafe fn max(a: Self, b: Self) -> Self {
-        Portable(std::array::from_fn(|l| a.0[l].max(b.0[l])))
-    }
-    unsafe fn sum(self) -> f32 {
-        let h = self.0;
-        let h8: [f32; 8] = std::array::from_fn(|l| h[l] + h[l + 8]);
-        let h4: [f32; 4] = std::array::from_fn(|l| h8[l] + h8[l + 4]);
-        (h4[0] + h4[2]) + (h4[1] + h4[3])
-    }
-    unsafe fn exp(self) -> Self {
-        Portable(self.0.map(exp))
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::wildcard_imports)]
 mod x86 {
-    use super::{Lanes, EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO};
-    use half::f16;
-    use std::arch::x86_64::*;
-
-    #[derive(Clone, Copy)]
-    pub(super) struct Avx512(__m512);
-
-    impl Lanes for Avx512 {
-        const WIDE: bool = true;
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            Avx512(_mm512_setzero_ps())
-        }
-        #[inline(always)]
-        unsafe fn splat(x: f32) -> Self {
-            Avx512(_mm512_set1_ps(x))
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> Self {
-            Avx512(_mm512_loadu_ps(p))
-        }
-        #[inline(always)]
-        unsafe fn load_half(p: *const f16) -> Self {
-            Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(p.cast())))
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32) {
-            _mm512_storeu_ps(p, self.0);
-        }
-        #[inline(always)]
-        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
-            Avx512(_mm512_fmadd_ps(a.0, b.0, c.0))
-        }
-        #[inline(always)]
-        unsafe fn add(a: Self, b: Self) -> Self {
-            Avx512(_mm512_add_ps(a.0, b.0))
-        }
-        #[inline(always)]
-        unsafe fn sub(a: Self, b: Self) -> Self {
-            Avx512(_mm512_sub_ps(a.0, b.0))
-        }
-        #[inline(always)]
-        unsafe fn mul(a: Self, b: Self) -> Self {
-            Avx512(_mm512_mul_ps(a.0, b.0))
-        }
-        #[inline(always)]
-        unsafe fn div(a: Self, b: Self) -> Self {
-            Avx512(_mm512_div_ps(a.0, b.0))
-        }
-        #[inline(always)]
-        unsafe fn max(a: Self, b: Self) -> Self {
-            Avx512(_mm512_max_ps(a.0, b.0))
-        }
-        #[inline(always)]
-        unsafe fn sum(self) -> f32 {
-            let lo = _mm512_castps512_ps256(self.0);
-            let hi = _mm512_extractf32x8_ps::<1>(self.0);
-            Avx2([lo, hi]).sum()
-        }
-        #[inline(always)]
-        unsafe fn sums_scaled(a: &[Self; 16], scale: f32, out: *mut f32) {
-            sums_scaled_avx512(a, scale, out);
-        }
-        #[inline(always)]
-        unsafe fn exp(self) -> Self {
-            let x = self.0;
-            let small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_MIN));
-            let x = _mm512_min_ps(
-                _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN)),
-                _mm512_set1_ps(EXP_MAX),
-            );
-            let t = _mm512_fmadd_ps(
-                x,
-                _mm512_set1_ps(std::f32::consts::LOG2_E),
-                _mm512_set1_ps(0.5),
-            );
-            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
-            let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
-            let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
-            let mut p = _mm512_set1_ps(EXP_POLY[0]);
-            for &c in &EXP_POLY[1..] {
-                p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-            }
-            let y = _mm512_add_ps(
-                _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
-                _mm512_set1_ps(1.0),
-            );
-            let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-                _mm512_cvttps_epi32(n),
-                _mm512_set1_epi32(127),
-            ));
-            let e = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-            Avx512(_mm512_mask_mov_ps(e, small, _mm512_setzero_ps()))
-        }
-    }
-
-    /// `sum`'s tree for 16 registers at once, each level in whole registers: 45 shuffles
-    /// and adds for 16 sums where one at a time takes about 8 a sum.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512dq")]
-    unsafe fn sums_scaled_avx512(a: &[Avx512; 16], scale: f32, out: *mut f32) {
-        // l + l+8: register p holds a[2p]'s 8 pair sums, then a[2p+1]'s.
-        let mut v = [_mm512_setzero_ps(); 8];
-        for (p, vp) in v.iter_mut().enumerate() {
-            let (x, y) = (a[2 * p].0, a[2 * p + 1].0);
-            *vp = _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0x44>(x, y),
-                _mm512_shuffle_f32x4::<0xEE>(x, y),
-            );
-        }
-        // l + l+4: quarter i of register r holds a[4r + i]'s 4 sums.
-        let mut w = [_mm512_setzero_ps(); 4];
-        for (r, wr) in w.iter_mut().enumerate() {
-            let (x, y) = (v[2 * r], v[2 * r + 1]);
-            *wr = _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0x88>(x, y),
-                _mm512_shuffle_f32x4::<0xDD>(x, y),
-            );
-        }
-        // l + l+2: quarter i of register s holds a[8s + i]'s 2 sums, then a[8s + 4 + i]'s.
-        let mut z = [_mm512_setzero_ps(); 2];
-        for (s, zs) in z.iter_mut().enumerate() {
-            let (x, y) = (_mm512_castps_pd(w[2 * s]), _mm512_castps_pd(w[2 * s + 1]));
-            *zs = _mm512_add_ps(
-                _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
-            );
-        }
-        // l + l+1: lane 4i + j holds a[4j + i]'s sum; a permute puts lane k at k.
-        let t = _mm512_add_ps(
-            _mm512_shuffle_ps::<0x88>(z[0], z[1]),
-            _mm512_shuffle_ps::<0xDD>(z[0], z[1]),
-        );
-        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        let t = _mm512_permutexvar_ps(order, t);
-        _mm512_storeu_ps(out, _mm512_mul_ps(t, _mm512_set1_ps(scale)));
-    }
-
-    /// Lanes 0-7 in the first register, 8-15 in the second.
-    #[derive(Clone, Copy)]
-    pub(super) struct Avx2(pub(super) [__m256; 2]);
-
-    impl Lanes for Avx2 {
-        // 16 ymm: four lane-groups' 16 accumulators would spill
-        const WIDE: bool = false;
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            Avx2([_mm256_setzero_ps(); 2])
-        }
-        #[inline(always)]
-        unsafe fn splat(x: f32) -> Self {
-            Avx2([_mm256_set1_ps(x); 2])
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> Self {
-            Avx2([_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))])
-        }
-        #[inline(always)]
-        unsafe fn load_half(p: *const f16) -> Self {
-            Avx2([
-                _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-                _mm256_cvtph_ps(_mm_loadu_si128(p.add(8).cast())),
-            ])
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32) {
-            _mm256_storeu_ps(p, self.0[0]);
-            _mm256_storeu_ps(p.add(8), self.0[1]);
-        }
-        #[inline(always)]
-        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
-            Avx2([
-                _mm256_fmadd_ps(a.0[0], b.0[0], c.0[0]),
-                _mm256_fmadd_ps(a.0[1], b.0[1], c.0[1]),
-            ])
-        }
-        #[inline(always)]
-        unsafe fn add(a: Self, b: Self) -> Self {
-            Avx2([_mm256_add_ps(a.0[0], b.0[0]), _mm256_add_ps(a.0[1], b.0[1])])
-        }
-        #[inline(always)]
-        unsafe fn sub(a: Self, b: Self) -> Self {
-            Avx2([_mm256_sub_ps(a.0[0], b.0[0]), _mm256_sub_ps(a.0[1], b.0[1])])
-        }
-        #[inline(always)]
-        unsafe fn mul(a: Self, b: Self) -> Self {
-            Avx2([_mm256_mul_ps(a.0[0], b.0[0]), _mm256_mul_ps(a.0[1], b.0[1])])
-        }
-        #[inline(always)]
-        unsafe fn div(a: Self, b: Self) -> Self {
-            Avx2([_mm256_div_ps(a.0[0], b.0[0]), _mm256_div_ps(a.0[1], b.0[1])])
-        }
-        #[inline(always)]
-        unsafe fn max(a: Self, b: Self) -> Self {
-            Avx2([_mm256_max_ps(a.0[0], b.0[0]), _mm256_max_ps(a.0[1], b.0[1])])
-        }
-        #[inline(always)]
-        unsafe fn sum(self) -> f32 {
-            let h8 = _mm256_add_ps(self.0[0], self.0[1]); // l + l+8
-            let h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps::<1>(h8));
-            let h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4)); // (0+2, 1+3)
-            let h1 = _mm_add_ss(h2, _mm_shuffle_ps::<0b01>(h2, h2));
-            _mm_cvtss_f32(h1)
-        }
-        #[inline(always)]
-        unsafe fn exp(self) -> Self {
-            Avx2([exp8(self.0[0]), exp8(self.0[1])])
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn exp8(x: __m256) -> __m256 {
-        let small = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN));
-        let x = _mm256_min_ps(
-            _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)),
-            _mm256_set1_ps(EXP_MAX),
-        );
-        let t = _mm256_fmadd_ps(
-            x,
-            _mm256_set1_ps(std::f32::consts::LOG2_E),
-            _mm256_set1_ps(0.5),
-        );
-        let n = _mm256_floor_ps(t);
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-        let mut p = _mm256_set1_ps(EXP_POLY[0]);
-        for &c in &EXP_POLY[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        }
-        let y = _mm256_add_ps(
-            _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r),
-            _mm256_set1_ps(1.0),
-        );
-        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-            _mm256_cvttps_epi32(n),
-            _mm256_set1_epi32(127),
-        ));
-        let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-        _mm256_andnot_ps(small, e)
-    }
+    use crate::simd::x86::{Avx2, Avx512};
 
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
     pub(super) unsafe fn items_avx512<E: super::Elem>(
@@ -593,48 +147,6 @@ mod x86 {
         super::items::<Avx512, E>(q, k, v, out, d, first);
     }
 
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-    pub(super) unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-        super::dot::<Avx512>(a, b)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-        super::dot::<Avx2>(a, b)
-    }
-
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-    pub(super) unsafe fn dot_rows_avx512(
-        x: &[f32],
-        w: &[f32],
-        then: &[f32],
-        dim: usize,
-        out: &mut [f32],
-    ) {
-        super::dot_rows_lanes::<Avx512>(x, w, then, dim, out);
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_rows_avx2(
-        x: &[f32],
-        w: &[f32],
-        then: &[f32],
-        dim: usize,
-        out: &mut [f32],
-    ) {
-        super::dot_rows_lanes::<Avx2>(x, w, then, dim, out);
-    }
-
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-    pub(super) unsafe fn silu_mul_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
-        super::silu_mul_lanes::<Avx512>(gate, up, out);
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn silu_mul_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
-        super::silu_mul_lanes::<Avx2>(gate, up, out);
-    }
-
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn items_avx2<E: super::Elem>(
         q: &[f32],
@@ -646,228 +158,6 @@ mod x86 {
     ) {
         super::items::<Avx2, E>(q, k, v, out, d, first);
     }
-}
-
-/// Σ a·b as attention sums it (lanes of fused multiply-adds, then a fixed tree), on the best
-/// build for this CPU.
-pub fn dot_product(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "dot_product of different lengths");
-    match Path::best() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `best` checked the features.
-        Path::Avx512 => unsafe { x86::dot_avx512(a, b) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Path::Avx2 => unsafe { x86::dot_avx2(a, b) },
-        // SAFETY: the portable build needs no CPU feature.
-        _ => unsafe { dot::<Portable>(a, b) },
-    }
-}
-
-/// out (T, n) = x (T, dim) · w (n, dim)ᵀ, every value [`dot_product`]'s bits on any build: the
-/// product of a float32 weight matrix (`crate::float`), summed as attention sums so that a
-/// row's values do not depend on the other rows of the pass. `then` (rows of dim, or empty):
-/// weights the caller multiplies next, whose first rows are fetched into L2 meanwhile.
-pub(crate) fn dot_rows(
-    x: &[f32],
-    w: &[f32],
-    then: &[f32],
-    dim: usize,
-    out: &mut [f32],
-    path: Path,
-) {
-    assert!(
-        dim > 0 && x.len().is_multiple_of(dim) && w.len().is_multiple_of(dim),
-        "dot_rows: x and w must be whole rows of dim"
-    );
-    assert_eq!(
-        out.len(),
-        x.len() / dim * (w.len() / dim),
-        "dot_rows: out is not T x n"
-    );
-    assert!(path.supported(), "dot_rows: this CPU cannot run {path:?}");
-    match path {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `supported` checked the features.
-        Path::Avx512 => unsafe { x86::dot_rows_avx512(x, w, then, dim, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Path::Avx2 => unsafe { x86::dot_rows_avx2(x, w, then, dim, out) },
-        // SAFETY: the portable build needs no CPU feature.
-        _ => unsafe { dot_rows_lanes::<Portable>(x, w, then, dim, out) },
-    }
-}
-
-/// `dot_rows` on one build. The weights go K rows at a time, against the pass's rows a tile at
-/// a time, so the K weight rows come from memory once and serve every row from L1: on 32-register
-/// builds K = 8 against three rows (24 accumulators, each weight vector loaded once for the
-/// three; a pair or a single row for the rest), on AVX2 K = 4 against a one-row pass and K = 3
-/// against two rows for more (8 and 12 ymm accumulators: more would spill). Output columns past
-/// the last K, and sizes that are not whole lanes, go through `dots`, one row at a time, as
-/// attention's scores do.
-#[inline(always)]
-unsafe fn dot_rows_lanes<V: Lanes>(
-    x: &[f32],
-    w: &[f32],
-    then: &[f32],
-    dim: usize,
-    out: &mut [f32],
-) {
-    let (rows, n) = (x.len() / dim, w.len() / dim);
-    let (k, step) = match (V::WIDE, rows) {
-        (true, _) => (8, 3),
-        (false, 1) => (4, 1),
-        // Two rows at a time load each weight vector once for both: at 9 rows 12 % faster
-        // than (4, 1), whose loads outnumber the FMA units' operands (SmolLM2's float32 layer
-        // products on a Zen 4's AVX2 build, alternated in one process).
-        (false, _) => (3, 2),
-    };
-    let whole = if dim.is_multiple_of(LANES) {
-        n / k * k
-    } else {
-        0
-    };
-    let tiles = rows.div_ceil(step);
-    // Each tile fetches its share of the next K weight rows' cache lines into L2, a few lines
-    // beside each step of its arithmetic, so that reading the weights from memory overlaps the
-    // arithmetic of several rows. Without it the hardware's prefetcher left the two mostly in
-    // turn: 9 rows of SmolLM2's float32 matrices took 1.7x one row on a Zen 4, and 1.2-1.3x
-    // with it; a burst of prefetches at each tile's start, or into L1, did worse. The last
-    // step fetches the first rows of `then`, the weights its caller runs next (4-5 % off
-    // SmolLM2's float32 layer products at 9 rows).
-    let lines = k * dim / 16;
-    let share = lines.div_ceil(tiles);
-    for j in (0..whole).step_by(k) {
-        let wj = w.as_ptr().add(j * dim);
-        for tile in 0..tiles {
-            let (first, end) = (tile * share, ((tile + 1) * share).min(lines));
-            let next = if j + 2 * k <= n {
-                Some(wj.add(k * dim))
-            } else if j + k == whole && then.len() >= k * dim {
-                Some(then.as_ptr())
-            } else {
-                None
-            };
-            let pf = match next {
-                Some(p) if first < end => (p.add(16 * first), end - first),
-                _ => (wj, 0),
-            };
-            let t = step * tile;
-            let dst = out.as_mut_ptr().add(t * n + j);
-            let x_at = |r: usize| x.as_ptr().add((t + r) * dim);
-            match (V::WIDE, rows - t) {
-                (false, 1) if k == 4 => rows_tile::<V, 1, 4, 4>([x_at(0)], wj, dim, dst, n, pf),
-                (false, 1) => rows_tile::<V, 1, 3, 3>([x_at(0)], wj, dim, dst, n, pf),
-                (false, _) => rows_tile::<V, 2, 3, 6>([x_at(0), x_at(1)], wj, dim, dst, n, pf),
-                (true, 1) => rows_tile::<V, 1, 8, 8>([x_at(0)], wj, dim, dst, n, pf),
-                (true, 2) => rows_tile::<V, 2, 8, 16>([x_at(0), x_at(1)], wj, dim, dst, n, pf),
-                (true, _) => {
-                    rows_tile::<V, 3, 8, 24>([x_at(0), x_at(1), x_at(2)], wj, dim, dst, n, pf);
-                }
-            }
-        }
-    }
-    if whole < n {
-        for t in 0..rows {
-            let xt = &x[t * dim..(t + 1) * dim];
-            let row = &mut out[t * n + whole..(t + 1) * n];
-            dots::<V>(xt, &w[whole * dim..], 1.0, row);
-        }
-    }
-}
-
-/// The R rows at `xs` against the K weight rows at `wp` (whole lanes of `dim`): `dot`'s lanes
-/// for each of the N = R K pairs, then their trees, into K values at `dst` for each row (row r
-/// at `dst + r * stride`); meanwhile `pf.1` cache lines from `pf.0` are fetched into L2.
-#[inline(always)]
-unsafe fn rows_tile<V: Lanes, const R: usize, const K: usize, const N: usize>(
-    xs: [*const f32; R],
-    wp: *const f32,
-    dim: usize,
-    dst: *mut f32,
-    stride: usize,
-    pf: (*const f32, usize),
-) {
-    let mut acc = [V::zero(); N];
-    let per = pf.1.div_ceil(dim / LANES);
-    for c in (0..dim).step_by(LANES) {
-        let first = c / LANES * per;
-        for line in first..(first + per).min(pf.1) {
-            crate::prefetch::<{ crate::L2 }, _>(pf.0.add(16 * line));
-        }
-        let xc: [V; R] = std::array::from_fn(|r| V::load(xs[r].add(c)));
-        for i in 0..K {
-            let wc = V::load(wp.add(i * dim + c));
-            for r in 0..R {
-                acc[r * K + i] = V::fma(xc[r], wc, acc[r * K + i]);
-            }
-        }
-    }
-    let mut sums = [0.0f32; 32];
-    if V::WIDE {
-        // sums_scaled takes 16 registers: a third row's 8 go with 8 zeros (their trees unused).
-        let mut h = 0;
-        while h + 16 <= N {
-            let a: &[V; 16] = acc[h..h + 16].try_into().unwrap_unchecked();
-            V::sums_scaled(a, 1.0, sums.as_mut_ptr().add(h));
-            h += 16;
-        }
-        if h < N {
-            let mut rest = [V::zero(); 16];
-            rest[..N - h].copy_from_slice(&acc[h..]);
-            V::sums_scaled(&rest, 1.0, sums.as_mut_ptr().add(h));
-        }
-    } else {
-        for (s, a) in sums.iter_mut().zip(&acc) {
-            *s = a.sum();
-        }
-    }
-    for r in 0..R {
-        std::ptr::copy_nonoverlapping(sums.as_ptr().add(K * r), dst.add(r * stride), K);
-    }
-}
-
-/// out = silu(gate) · up = gate / (1 + e^-gate) · up, elementwise, on the best build.
-pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    assert!(
-        gate.len() == up.len() && up.len() == out.len(),
-        "silu_mul of different lengths"
-    );
-    match Path::best() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `best` checked the features.
-        Path::Avx512 => unsafe { x86::silu_mul_avx512(gate, up, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Path::Avx2 => unsafe { x86::silu_mul_avx2(gate, up, out) },
-        // SAFETY: the portable build needs no CPU feature.
-        _ => unsafe { silu_mul_lanes::<Portable>(gate, up, out) },
-    }
-}
-
-#[inline(always)]
-unsafe fn silu_mul_lanes<V: Lanes>(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    let whole = gate.len() / LANES * LANES;
-    for c in (0..whole).step_by(LANES) {
-        let y = silu_mul_step(V::load(gate.as_ptr().add(c)), V::load(up.as_ptr().add(c)));
-        y.store(out.as_mut_ptr().add(c));
-    }
-    if whole < gate.len() {
-        let n = gate.len() - whole;
-        let (mut g, mut u, mut y) = ([0.0f32; LANES], [0.0f32; LANES], [0.0f32; LANES]);
-        g[..n].copy_from_slice(&gate[whole..]);
-        u[..n].copy_from_slice(&up[whole..]);
-        silu_mul_step(V::load(g.as_ptr()), V::load(u.as_ptr())).store(y.as_mut_ptr());
-        out[whole..].copy_from_slice(&y[..n]);
-    }
-}
-
-// (Functions, not closures: a closure is not inlined into the `#[target_feature]` entry point
-// reliably, and its intrinsics then run as calls, ~100x slower.)
-#[inline(always)]
-unsafe fn silu_mul_step<V: Lanes>(g: V, u: V) -> V {
-    let e = V::sub(V::zero(), g).exp();
-    V::mul(V::div(g, V::add(V::splat(1.0), e)), u)
 }
 
 /// Items `first..` (item = head * T + row) into `out`, which holds as many items as it fits.
@@ -906,7 +196,7 @@ unsafe fn items<V: Lanes, E: Elem>(
 
 thread_local! {
     /// `bundle`'s scores, kept from one bundle to the next on each thread: a bundle writes every
-    /// score it reads, and zeroing a fresh one for each bundle cost ~2 % of a long prefill.
+    /// score it reads, so it never needs a fresh, zeroed one.
     static SCORES: std::cell::UnsafeCell<Vec<f32>> = const { std::cell::UnsafeCell::new(Vec::new()) };
 }
 
@@ -916,10 +206,7 @@ const BUNDLE: usize = 32;
 const BUNDLE_SCORES: usize = 1 << 18;
 /// The bytes of a tile in f32: 64 keys of a 64-wide head, 32 of a 128-wide one, half of a 32
 /// KiB L1. Its keys are a multiple of 16, so even: a tile starts every item's even chain on an
-/// even key (`accumulate`). At 128 wide, 32-key tiles against 64 (with the fetch below, Qwen2.5
-/// 1.5B's shape, 12 heads over 2 kv heads, on a Zen 4, keys and values in memory): 2 rows 16 %
-/// faster after 500 keys and 11 % after 1900, 4 rows 18 %, 9 rows 6-8 %, a 500-row prefill
-/// 4-7 %, one row level.
+/// even key (`accumulate`). The size is bench_attention.py's choice (docs/benchmarks.md §13).
 const TILE_BYTES: usize = 16 << 10;
 
 /// Keys a tile of a head of `hd` values holds (see `TILE_BYTES`).
@@ -929,18 +216,12 @@ fn tile_keys(hd: usize) -> usize {
 
 /// Items from which a bundle fetches its next tile into L1 while it works on this one. With
 /// this many, a tile's arithmetic outlasts its reads, and the cache's lines arrive where the
-/// hardware's prefetchers, which stop at each 4 KiB page, leave them late. On a Zen 4, keys
-/// and values in memory: SmolLM2's shape after 500 keys, 9 rows 14-15 % faster (100 → 85-86
-/// µs; the AVX2 build 11 %), 2 rows (bundles of 6 and 3) 3-6 %, 3 rows 4 %, 4 rows 7-8 %, 6
-/// rows 13 %, 9 rows after 1900 keys 15 %; Qwen2.5 1.5B's one row (6 items) 6-11 % after 500
-/// keys, 16-19 % after 1900. With them in cache, up to 1.5 % slower (7 % for 6 items of a
-/// 128-wide head). SmolLM2's one-row bundles of 3 items measured 5-7 % slower and 0-9 %
-/// faster in different minutes, so they go without.
+/// hardware's prefetchers, which stop at each 4 KiB page, leave them late. Smaller bundles go
+/// without: there the fetch did not pay (bench_attention.py; docs/benchmarks.md §13).
 const FETCH_ITEMS: usize = 4;
 /// The most that the tile in f32 and the next one as the cache holds it may take, for the
 /// fetch: three quarters of a 32 KiB L1. A float16 cache's tiles fit (16 + 8 KiB); a float32
-/// cache's (16 + 16) do not, and fetching 64-key tiles of a 128-wide head (32 + 16) was 4-6 %
-/// slower at 2 rows.
+/// cache's (16 + 16) do not, and fetching those did not pay (docs/benchmarks.md §13).
 const FETCH_BYTES: usize = 24 << 10;
 
 /// Fetches a tile's cache lines into L1 a share at a time, in the `steps` steps of the work
@@ -1011,8 +292,7 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     // A tile of a float16 cache, in f32.
     let mut wide = Vec::new();
     // The items by how many keys they see, so that in the tile where their keys end, items over
-    // the same keys (the query heads of one row) are neighbours, which go together: a 9-row
-    // pass's attention 2-3 % faster than in item order.
+    // the same keys (the query heads of one row) are neighbours, which go together.
     let mut order: Vec<usize> = (0..m).collect();
     order.sort_by_key(|&i| keys(i));
     // (item, where its keys in the tile end), in `order`
@@ -1088,10 +368,8 @@ unsafe fn widen<'a, V: Lanes, E: Elem>(src: &'a [E], wide: &'a mut Vec<f32>) -> 
 ///
 /// Keys held dimension-major (16 keys to a vector, one chain of multiply-adds a key in the
 /// order of d) would need no tree, but the cache holds keys row by row, and a 16 × 16
-/// transpose of every tile for each bundle costs more than the trees it saves: on a Zen 4, a
-/// 9-row pass's attention (SmolLM2's shape, 500 keys) was 4-12 % slower that way and a
-/// one-row pass's 40-50 %: a one-row bundle shares each tile among only its kv head's query
-/// heads.
+/// transpose of every tile for each bundle costs more than the trees it saves: a one-row
+/// bundle shares each tile among only its kv head's query heads (docs/benchmarks.md §13).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn score_tile<V: Lanes>(
@@ -1309,82 +587,6 @@ unsafe fn items_one_by_one<V: Lanes, E: Elem>(
     }
 }
 
-/// One key's q · k: lanes of fused multiply-adds over the head (tails of a head size that is
-/// not a multiple of LANES go in lanes 0..), then the tree.
-#[inline(always)]
-unsafe fn dot<V: Lanes>(q: &[f32], kj: &[f32]) -> f32 {
-    let whole = q.len() / LANES * LANES;
-    let mut acc = V::zero();
-    for c in (0..whole).step_by(LANES) {
-        acc = V::fma(V::load(q.as_ptr().add(c)), V::load(kj.as_ptr().add(c)), acc);
-    }
-    if whole < q.len() {
-        let mut tq = [0.0f32; LANES];
-        let mut tk = [0.0f32; LANES];
-        tq[..q.len() - whole].copy_from_slice(&q[whole..]);
-        tk[..q.len() - whole].copy_from_slice(&kj[whole..]);
-        acc = V::fma(V::load(tq.as_ptr()), V::load(tk.as_ptr()), acc);
-    }
-    acc.sum()
-}
-
-/// scores[j] = q · k_j · scale, where the head is whole lanes 16 keys at a time on 32-register
-/// builds and then four at a time, so that several sums are in flight (each is still `dot`'s).
-#[inline(always)]
-unsafe fn dots<V: Lanes>(q: &[f32], kh: &[f32], scale: f32, scores: &mut [f32]) {
-    let hd = q.len();
-    let mut j = 0;
-    if hd.is_multiple_of(LANES) {
-        while V::WIDE && j + 16 <= scores.len() {
-            let acc = key_lanes::<V, 16>(q, kh.as_ptr().add(j * hd));
-            V::sums_scaled(&acc, scale, scores.as_mut_ptr().add(j));
-            j += 16;
-        }
-        while j + 4 <= scores.len() {
-            let acc = key_lanes::<V, 4>(q, kh.as_ptr().add(j * hd));
-            for (i, a) in acc.iter().enumerate() {
-                scores[j + i] = a.sum() * scale;
-            }
-            j += 4;
-        }
-    }
-    while j < scores.len() {
-        scores[j] = dot::<V>(q, &kh[j * hd..(j + 1) * hd]) * scale;
-        j += 1;
-    }
-}
-
-/// `dot`'s lanes for the K keys at `kp` (a head of whole lanes), before their trees.
-#[inline(always)]
-unsafe fn key_lanes<V: Lanes, const K: usize>(q: &[f32], kp: *const f32) -> [V; K] {
-    let hd = q.len();
-    let mut acc = [V::zero(); K];
-    for c in (0..hd).step_by(LANES) {
-        let qc = V::load(q.as_ptr().add(c));
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a = V::fma(qc, V::load(kp.add(i * hd + c)), *a);
-        }
-    }
-    acc
-}
-
-/// `key_lanes` of two queries for the 8 keys at `kp`, each key vector loaded once for both:
-/// the first query's 8 accumulators, then the second's.
-#[inline(always)]
-unsafe fn key_lanes_two<V: Lanes>(q0: &[f32], q1: &[f32], kp: *const f32) -> [V; 16] {
-    let hd = q0.len();
-    let mut acc = [V::zero(); 16];
-    for c in (0..hd).step_by(LANES) {
-        let (a, b) = (V::load(q0.as_ptr().add(c)), V::load(q1.as_ptr().add(c)));
-        for i in 0..8 {
-            let kc = V::load(kp.add(i * hd + c));
-            acc[i] = V::fma(a, kc, acc[i]);
-            acc[8 + i] = V::fma(b, kc, acc[8 + i]);
-        }
-    }
-    acc
-}
-
 /// padded[..keys] (scores) -> e^(s - max) in place, the rest -> 0; their sum. None if a score
 /// is not finite.
 #[inline(always)]
@@ -1489,6 +691,7 @@ unsafe fn lane_groups<V: Lanes, const G: usize>(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
     use proptest::prelude::*;
 
     /// Softmax attention in f64 over the same inputs.
@@ -1545,21 +748,6 @@ pub(crate) mod tests {
         let mut out = vec![0.0f32; q.len()];
         attend_with(q, k, v, &mut out, d, path).unwrap();
         out
-    }
-
-    #[test]
-    fn exp_is_close_to_libm() {
-        let mut worst = 0.0f64;
-        for i in -200_000..200_000 {
-            let x = 87.0 * f64::from(i) / 200_000.0;
-            let got = f64::from(exp(x as f32));
-            let want = (x as f32 as f64).exp();
-            worst = worst.max(((got - want) / want).abs());
-        }
-        assert!(worst < 3e-7, "worst relative error {worst}");
-        assert_eq!(exp(0.0).to_bits(), 1.0f32.to_bits());
-        assert_eq!(exp(-100.0).to_bits(), 0.0f32.to_bits());
-        assert!(exp(1000.0).is_finite());
     }
 
     proptest! {
@@ -1734,49 +922,6 @@ pub(crate) mod tests {
                         "row {t} head {h}"
                     );
                 }
-            }
-        }
-    }
-
-    #[test]
-    fn silu_and_dot_give_the_same_bits_on_every_path() {
-        let a = values(1000, 21);
-        let b = values(1000, 22);
-        let g: Vec<f32> = a.iter().map(|x| x * 20.0).collect();
-        let run = |path: Path| {
-            let mut out = vec![0.0f32; 997];
-            // SAFETY: only paths this CPU supports run.
-            let d = unsafe {
-                match path {
-                    #[cfg(target_arch = "x86_64")]
-                    Path::Avx512 => {
-                        x86::silu_mul_avx512(&g[..997], &b[..997], &mut out);
-                        x86::dot_avx512(&a[..997], &b[..997])
-                    }
-                    #[cfg(target_arch = "x86_64")]
-                    Path::Avx2 => {
-                        x86::silu_mul_avx2(&g[..997], &b[..997], &mut out);
-                        x86::dot_avx2(&a[..997], &b[..997])
-                    }
-                    _ => {
-                        silu_mul_lanes::<Portable>(&g[..997], &b[..997], &mut out);
-                        dot::<Portable>(&a[..997], &b[..997])
-                    }
-                }
-            };
-            (out, d.to_bits())
-        };
-        let want = run(Path::Portable);
-        for (x, (&gx, &u)) in want.0.iter().zip(g.iter().zip(&b)) {
-            let silu = f64::from(gx) / (1.0 + (-f64::from(gx)).exp()) * f64::from(u);
-            assert!(
-                (f64::from(*x) - silu).abs() < 1e-5 * (1.0 + silu.abs()),
-                "{x} vs {silu}"
-            );
-        }
-        for path in [Path::Avx2, Path::Avx512] {
-            if path.supported() {
-                assert_eq!(run(path), want, "{path:?}");
             }
         }
     }

@@ -18,7 +18,7 @@
 //!   (8 bytes a slot), which stays in cache;
 //! - states and the big table live in [`BigVec`]s, on 2 MiB pages once they are that large.
 //!
-//! On text about 85% of states have a single transition: adding it, or looking up a transition of
+//! On text most states have a single transition: adding it, or looking up a transition of
 //! such a state, reads nothing but the state record, which the walk along suffix links reads
 //! anyway. Other lookups and additions read one table slot more. A suffix automaton over n tokens
 //! has at most 2n states and 3n transitions; on text it has about 1.3n states and 2.1n
@@ -34,6 +34,7 @@ const NONE: u32 = u32::MAX;
 pub const MAX_TOKENS: usize = 1 << 27;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What each state records beyond its transitions, by match policy.
 pub struct Tracking {
     /// Keep the most recent end position of every state (costs a walk up the suffix links).
     pub recent: bool,
@@ -98,6 +99,7 @@ const EMPTY: Edge = Edge {
 };
 
 #[derive(Debug, Clone)]
+/// The suffix automaton of every token indexed so far, built online.
 pub struct Automaton {
     st: BigVec<State>,
     recent: BigVec<u32>,
@@ -124,6 +126,7 @@ pub struct Automaton {
     recent_before: u32,
 }
 
+/// The state of the empty string.
 pub const ROOT: u32 = 0;
 
 #[inline]
@@ -133,6 +136,7 @@ fn hash(src: u32, tok: u32) -> u64 {
 }
 
 impl Automaton {
+    /// An empty automaton that records what `tracking` asks for.
     pub fn new(tracking: Tracking) -> Self {
         let mut a = Automaton {
             st: BigVec::new(),
@@ -157,10 +161,12 @@ impl Automaton {
         self.n as usize
     }
 
+    /// States so far (the root included).
     pub fn states(&self) -> usize {
         self.st.len()
     }
 
+    /// Transitions so far.
     pub fn edges(&self) -> usize {
         self.n_edges
     }
@@ -195,6 +201,7 @@ impl Automaton {
     }
 
     #[inline]
+    /// The suffix link of `state`: the state of its longest suffix in another class.
     pub fn link_of(&self, state: u32) -> u32 {
         self.st[state as usize].link
     }

@@ -5,8 +5,7 @@
 //! read also misses the TLB, and the page walk that follows evicts the interpreter's own entries,
 //! so the Python side of a round gets slower too. Linux backs memory with 2 MiB pages only where a
 //! whole aligned 2 MiB range lies inside a region advised with `MADV_HUGEPAGE`, and a `Vec`'s
-//! buffer starts wherever the allocator puts it. Measured on a 128k-token index, a round costs
-//! about 15% less this way.
+//! buffer starts wherever the allocator puts it (bench_drafter.py; docs/benchmarks.md §13).
 
 use std::alloc::{alloc, dealloc, handle_alloc_error, Layout};
 use std::fmt;
@@ -15,6 +14,7 @@ use std::ptr::NonNull;
 
 pub(crate) const HUGE: usize = 2 << 20;
 
+/// A growable array of `Copy` items on 2 MiB-aligned buffers advised for huge pages.
 pub struct BigVec<T: Copy> {
     ptr: NonNull<T>,
     len: usize,
@@ -27,6 +27,7 @@ unsafe impl<T: Copy + Send> Send for BigVec<T> {}
 unsafe impl<T: Copy + Sync> Sync for BigVec<T> {}
 
 impl<T: Copy> BigVec<T> {
+    /// An empty array; nothing is allocated until the first push.
     pub const fn new() -> Self {
         BigVec {
             ptr: NonNull::dangling(),
@@ -43,6 +44,7 @@ impl<T: Copy> BigVec<T> {
         v
     }
 
+    /// Items the buffer holds before it grows.
     pub fn capacity(&self) -> usize {
         self.cap
     }
@@ -120,6 +122,7 @@ impl<T: Copy> BigVec<T> {
         }
     }
 
+    /// Appends `item`, growing the buffer when it is full.
     pub fn push(&mut self, item: T) {
         if self.len == self.cap {
             self.reserve(1);

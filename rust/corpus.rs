@@ -32,6 +32,7 @@ use crate::automaton::MAX_TOKENS;
 use crate::drafter::{Config, Drafter, Policy};
 use crate::error::{Error, Result};
 
+/// The first bytes of a saved corpus file.
 pub const MAGIC: [u8; 8] = *b"\x89SFNGRM\n";
 /// The format version this code writes, and the newest it reads.
 pub const FORMAT_VERSION: u32 = 1;

@@ -37,13 +37,18 @@ use crate::{prefetch, L1};
 pub const MAX_K: usize = 1 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which earlier occurrence of the matched suffix a proposal copies from.
 pub enum Policy {
+    /// The most recent occurrence (llama.cpp, SGLang).
     Recent,
+    /// The earliest occurrence (transformers, vLLM).
     Earliest,
+    /// The continuation seen most often (Arctic SuffixDecoding).
     Frequent,
 }
 
 impl Policy {
+    /// The policy named `name` ("recent", "earliest" or "frequent").
     pub fn parse(name: &str) -> Result<Policy> {
         match name {
             "recent" => Ok(Policy::Recent),
@@ -55,6 +60,7 @@ impl Policy {
         }
     }
 
+    /// The policy's name, as `parse` takes it.
     pub fn name(self) -> &'static str {
         match self {
             Policy::Recent => "recent",
@@ -72,11 +78,17 @@ impl Policy {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
+/// The drafter's options.
 pub struct Config {
+    /// The shortest match a proposal is made from.
     pub min_match: usize,
+    /// Which occurrence a proposal copies from.
     pub policy: Policy,
+    /// A proposal holds at most floor(k_factor x match length + k_offset) tokens (and k).
     pub k_factor: f64,
+    /// See `k_factor`.
     pub k_offset: f64,
+    /// The most corpus tokens kept; the oldest documents go first.
     pub max_corpus_tokens: usize,
 }
 
@@ -93,6 +105,7 @@ impl Default for Config {
 }
 
 impl Config {
+    /// Ok, or an error naming the option that is out of range.
     pub fn validate(&self) -> Result<()> {
         if self.min_match == 0 {
             return Err(Error::value("min_match must be at least 1"));
@@ -120,6 +133,7 @@ impl Config {
 }
 
 #[derive(Debug, Clone)]
+/// The n-gram drafter: the automaton over the committed tokens and the corpus documents.
 pub struct Drafter {
     config: Config,
     live: BigVec<u32>,
@@ -141,6 +155,7 @@ enum Source {
 }
 
 impl Drafter {
+    /// A drafter with `config`, or an error naming the bad option.
     pub fn new(config: Config) -> Result<Drafter> {
         config.validate()?;
         let tracking = config.policy.tracking();
@@ -156,6 +171,7 @@ impl Drafter {
         })
     }
 
+    /// The options it was made with.
     pub fn config(&self) -> &Config {
         &self.config
     }
@@ -165,6 +181,7 @@ impl Drafter {
         self.live.len()
     }
 
+    /// True before any token was indexed.
     pub fn is_empty(&self) -> bool {
         self.live.is_empty()
     }
@@ -174,10 +191,12 @@ impl Drafter {
         self.corpus.len()
     }
 
+    /// Corpus documents added.
     pub fn corpus_documents(&self) -> usize {
         self.doc_starts.len()
     }
 
+    /// Bytes the index holds (automaton, tokens, corpus).
     pub fn memory_bytes(&self) -> usize {
         self.live_sam.memory_bytes()
             + self.corpus_sam.memory_bytes()

@@ -5,19 +5,24 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// What the crate reports instead of panicking; the bindings map each kind to a Python exception.
 pub enum Error {
     /// An argument outside what is allowed, or a malformed file. Python sees `ValueError`.
     Value(String),
     /// Reading or writing a file failed. Python sees `OSError` (the subclass its errno picks,
     /// such as `FileNotFoundError`), with `filename` set to `path`.
     Io {
+        /// The OS error number, where there is one.
         errno: Option<i32>,
+        /// What went wrong.
         message: String,
+        /// The file it concerns, where there is one.
         path: Option<PathBuf>,
     },
 }
 
 impl Error {
+    /// A bad value: ValueError in Python.
     pub fn value(message: impl Into<String>) -> Self {
         Error::Value(message.into())
     }
@@ -62,4 +67,5 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// The crate's result type.
 pub type Result<T> = std::result::Result<T, Error>;

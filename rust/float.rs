@@ -2,7 +2,7 @@
 //!
 //! A library GEMM (oneDNN, MKL, OpenBLAS) blocks its sums by the number of rows, so a verify
 //! pass's row need not equal a one-token pass to the last bit; none of them streams a batch-1
-//! product at the memory's rate on every CPU either (oneDNN reads 2.4x its bound on a Zen 4).
+//! product at the memory's rate on every CPU either (bench_linear.py; docs/benchmarks.md §13).
 //! Here every output value is attention's dot product (`attention::dot_rows`: 16 lanes of
 //! fused multiply-adds, then a fixed tree), so a row's values depend only on that row, and the
 //! AVX-512, AVX2 and portable builds give the same bits.
@@ -10,10 +10,10 @@
 //! The weights stay row-major float32, in pieces of whole output rows that this thread and the
 //! helper take from both ends (`helper::for_each`).
 
-use crate::attention::{self, Path};
 use crate::error::Error;
 use crate::helper::Shared;
 use crate::int8::{check_product, Kernel, Product, PARALLEL_MIN, UNITS};
+use crate::simd::{self, Path};
 use crate::slab::WeightBuf;
 
 /// A float32 weight matrix (rows = output features, cols = input features), row-major.
@@ -44,10 +44,12 @@ impl FloatMatrix {
         })
     }
 
+    /// Output rows n of the matrix.
     pub fn rows(&self) -> usize {
         self.rows
     }
 
+    /// Input columns (the width of x).
     pub fn cols(&self) -> usize {
         self.cols
     }
@@ -86,7 +88,7 @@ impl FloatMatrix {
             let then = next.filter(|&c| c < blocks).map_or(&[][..], piece);
             let width = w.len() / self.cols;
             let mut part = vec![0.0f32; n * width];
-            attention::dot_rows(x, w, then, self.cols, &mut part, path);
+            simd::dot_rows(x, w, then, self.cols, &mut part, path);
             for (r, values) in part.chunks_exact(width).enumerate() {
                 // SAFETY: piece b alone writes columns [o0, o0 + width) of each row.
                 let at = r * self.rows + o0;
@@ -177,7 +179,7 @@ mod tests {
                             (f64::from(v) - exact).abs() < 1e-4 * (cols as f64).sqrt(),
                             "{rows}x{cols} n={n}"
                         );
-                        assert_eq!(v.to_bits(), attention::dot_product(xr, wo).to_bits());
+                        assert_eq!(v.to_bits(), simd::dot_product(xr, wo).to_bits());
                     }
                 }
             }
@@ -211,7 +213,7 @@ mod tests {
             .filter(|&o| {
                 let wo = &w[o * cols..(o + 1) * cols];
                 let seq = x.iter().zip(wo).fold(0.0f32, |s, (&a, &b)| a.mul_add(b, s));
-                seq.to_bits() != attention::dot_product(&x, wo).to_bits()
+                seq.to_bits() != simd::dot_product(&x, wo).to_bits()
             })
             .count();
         assert!(differ > rows / 4, "only {differ} of {rows} differ");

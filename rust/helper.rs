@@ -1,8 +1,9 @@
 //! A second thread for splitting a short job in two, woken in well under a microsecond.
 //!
-//! A decode pass makes ~120 matrix products of 10-100 µs each, with torch's own ops between
-//! them. A general pool (rayon) parks its workers after a few microseconds idle, and waking one
-//! costs 20-30 µs on these VMs, as much as it saves. This helper spins for a while after each
+//! A decode pass makes over a hundred matrix products of tens of microseconds each, with
+//! torch's own ops between them. A general pool (rayon) parks its workers after a few
+//! microseconds idle, and waking one costs about as much as a split saves
+//! (docs/benchmarks.md §13). This helper spins for a while after each
 //! job (`SPIN`, a few milliseconds: longer than the gaps between passes) before it
 //! parks, so during a generation it is always awake, and when generation stops it sleeps.
 //!
@@ -28,8 +29,8 @@ const DONE: u8 = 3;
 /// How long the helper spins after a job before it parks: longer than the gaps between the
 /// passes of a generation (the Python round between them), so that it is awake all through
 /// one; waking a parked thread can take milliseconds on a VM whose other vCPU has gone idle.
-/// (A count of spin-loop hints is no measure of time: PAUSE takes a few cycles on AMD and
-/// about 140 on recent Intel, where 200k of them spun for ~10 ms.)
+/// (A count of spin-loop hints is no measure of time: PAUSE's latency differs between CPU
+/// makers by tens of times.)
 const SPIN: Duration = Duration::from_millis(3);
 
 type Job = *const (dyn Fn() + Sync);
@@ -205,6 +206,7 @@ pub struct Shared<'a, T> {
 unsafe impl<T: Send> Sync for Shared<'_, T> {}
 
 impl<'a, T> Shared<'a, T> {
+    /// Views `slice` for the helper thread.
     pub fn new(slice: &'a mut [T]) -> Self {
         Shared {
             ptr: slice.as_mut_ptr(),
@@ -281,10 +283,8 @@ pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
 
 /// The median time of `joins` empty jobs handed to the helper and back (after a few more that
 /// wake it), or None without a helper: the least that splitting work between the threads costs.
-/// It also tells how far apart the two threads sit. On a Zen 4 VM whose host moves its two vCPUs
-/// between nearer and farther cores (a cache line passed back and forth took 61 ns or 330 ns,
-/// by turns lasting seconds), it read 0.05-0.08 µs or 0.19-0.21 µs, and 9-row passes, which
-/// hand data between the threads at every step, took 8.1-8.4 ms or 10.3-11.2 ms with it.
+/// It also tells how far apart the two threads sit, which split kernels' times follow
+/// (core_rates in bench_runtime.py prints it first; docs/benchmarks.md §13).
 pub fn round_trip(joins: usize) -> Option<Duration> {
     helper()?;
     let mut times: Vec<Duration> = (0..joins + 16)

@@ -39,7 +39,9 @@ pub(crate) const UNITS: usize = 16;
 /// A weight matrix that multiplies float32 activation rows, each row computed on its own: the
 /// int8 one here and the 4-bit one in [`crate::q4`].
 pub trait Product: Sync {
+    /// Output rows n of the matrix.
     fn rows(&self) -> usize;
+    /// Input columns (the width of x).
     fn cols(&self) -> usize;
     /// out (n, rows) = x (n, cols) · Wᵀ, both row-major.
     fn matmul(&self, x: &[f32], out: &mut [f32], kernel: Kernel) -> Result<(), Error>;
@@ -48,10 +50,13 @@ pub trait Product: Sync {
 /// Which instruction set a product runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
+    /// Portable Rust.
     Scalar,
+    /// AVX2 and FMA.
     Avx2,
     /// AVX-VNNI: the AVX2 path with vpdpbusd on ymm (Intel client CPUs without AVX-512).
     AvxVnni,
+    /// AVX-512 with VNNI (vpdpbusd on zmm).
     Avx512Vnni,
 }
 
@@ -95,6 +100,7 @@ impl Kernel {
         }
     }
 
+    /// The kernel's name, as `from_name` takes it.
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Scalar => "scalar",
@@ -104,6 +110,7 @@ impl Kernel {
         }
     }
 
+    /// The kernel named `name` (or "auto" for the best), if this CPU runs it.
     pub fn from_name(name: &str) -> Result<Kernel, Error> {
         let kernel = match name {
             "auto" => Kernel::best(),
@@ -205,10 +212,12 @@ impl Int8Matrix {
         })
     }
 
+    /// Output rows n of the matrix.
     pub fn rows(&self) -> usize {
         self.rows
     }
 
+    /// Input columns (the width of x).
     pub fn cols(&self) -> usize {
         self.cols
     }
@@ -257,11 +266,9 @@ impl Int8Matrix {
                 let w = &self.packed[b * block_len..(b + nb) * block_len];
                 // The VNNI kernel fetches the next pair of blocks into L2 as it goes, a share of
                 // their cache lines beside each run of each chunk of rows, so that reading the
-                // weights overlaps the arithmetic (whole SmolLM2 int8 passes after 500 tokens,
-                // alternated with passes without: 15-19 % faster at 1, 2 and 9 rows on a Zen 4;
-                // q4 passes, whose output matrix is int8, 3-7 %). A unit's last pair fetches the
-                // first its thread runs in its next unit: against fetching only within a unit,
-                // SmolLM2's int8 layer products 8-15 % faster at 1 row and 10-14 % at 9.
+                // weights overlaps the arithmetic. A unit's last pair fetches the first its
+                // thread runs in its next unit (bench_runtime.py, bench_linear.py:
+                // docs/benchmarks.md §13).
                 let next = match forward {
                     true if b + 2 * PAIR <= blocks => Some(b + PAIR),
                     false if b >= PAIR => Some(b - PAIR),
@@ -616,8 +623,7 @@ mod x86 {
 
     /// `super::quantize_rows` for a row of whole groups, a group in two zmm: each group's
     /// values, scale and sum exactly as [`quantize_group`] gives them (the same operations lane
-    /// by lane), and whether all were finite. Against `quantize_group`, 9 rows of 576 features
-    /// take 1.5 µs instead of 2.2 on a Zen 4, 9 rows of 1536 3.1 instead of 5.5.
+    /// by lane), and whether all were finite.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn quantize_row(
         x: &[f32],
@@ -720,8 +726,7 @@ mod x86 {
         let runs = std::hint::black_box(GROUP / 4);
         for g in 0..groups {
             // Each row's sums start at -128 · Σx, so that they end at Σ w·x with no subtraction
-            // per block: the same integers, one operation fewer a row and block of each group
-            // (the kernel on matrices from L2 3-5 % faster at 4 to 9 rows on a Zen 4).
+            // per block: the same integers, one operation fewer a row and block of each group.
             let mut sums: [[__m512i; B]; R] =
                 std::array::from_fn(|i| [_mm512_set1_epi32(-128 * xsum[i * groups + g]); B]);
             for run in g * runs..(g + 1) * runs {
@@ -803,13 +808,14 @@ mod x86 {
                 let wp = w.as_ptr();
                 let xp = xs.as_ptr();
                 let mut total = [[_mm256_setzero_ps(); 2]; R];
-                // A loop, not unrolled: as in `vnni` (4-5 % faster here at 9 rows).
+                // A loop, not unrolled: as in `vnni`.
                 let runs = std::hint::black_box(GROUP / 4);
                 for g in 0..groups {
                     let mut sums = [[_mm256_setzero_si256(); 2]; R];
                     for run in g * runs..(g + 1) * runs {
-                        // This CPU's prefetchers alone left an AMD Zen 3 waiting on memory
-                        // here (5.7 GB/s against q4's 14): ask for the line 32 runs ahead.
+                        // The hardware's prefetchers alone leave this loop waiting on memory
+                        // (bench_linear.py; docs/benchmarks.md §13): ask for the line 32 runs
+                        // ahead.
                         _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(run * 64 + 2048).cast());
                         let w0 = $load(_mm256_loadu_si256(wp.add(run * 64).cast()));
                         let w1 = $load(_mm256_loadu_si256(wp.add(run * 64 + 32).cast()));

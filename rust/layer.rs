@@ -23,6 +23,7 @@ pub struct Weights<'a> {
     pub qkv_bias: Option<&'a [f32]>,
     /// (dim, H hd).
     pub o: &'a dyn Product,
+    /// The RMSNorm gain before the MLP.
     pub ffn_norm: &'a [f32],
     /// (2 F, dim): gate then up.
     pub gate_up: &'a dyn Product,
@@ -33,9 +34,13 @@ pub struct Weights<'a> {
 /// The layer's shape, and where the pass sits in the cache.
 #[derive(Clone, Copy, Debug)]
 pub struct Shape {
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads.
     pub kv_heads: usize,
+    /// Width of a head.
     pub head_dim: usize,
+    /// RMSNorm's epsilon.
     pub eps: f32,
     /// Slots S per kv head in the cache.
     pub capacity: usize,
@@ -44,7 +49,7 @@ pub struct Shape {
 }
 
 /// The buffers a layer writes in full before it reads them: made once for a pass and reused by
-/// each of its layers (zeroing fresh ones for every layer took ~5 % of a long prefill).
+/// each of its layers, so no layer zeroes fresh ones.
 #[derive(Default)]
 struct Scratch {
     normed: Vec<f32>,
@@ -163,6 +168,7 @@ fn forward<E: Elem>(
 pub struct Head<'a> {
     /// (dim,) RMSNorm weight.
     pub norm: &'a [f32],
+    /// The final RMSNorm's epsilon.
     pub eps: f32,
     /// (V, dim).
     pub output: &'a dyn Product,

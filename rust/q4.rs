@@ -44,6 +44,7 @@ const VNNI_ROWS: usize = 12;
 /// construction); the i32 group sums cannot, whatever the width.
 pub const MAX_COLS: usize = 1 << 20;
 
+/// A matrix in llama.cpp's Q4_1 layout: 32-weight blocks, each with a scale and a minimum.
 pub struct Q4Matrix {
     rows: usize,
     cols: usize,
@@ -141,10 +142,12 @@ impl Q4Matrix {
         })
     }
 
+    /// Output rows n of the matrix.
     pub fn rows(&self) -> usize {
         self.rows
     }
 
+    /// Input columns (the width of x).
     pub fn cols(&self) -> usize {
         self.cols
     }
@@ -601,9 +604,8 @@ mod x86 {
             let mut sums = [[_mm512_setzero_si512(); 2]; R];
             for pair in g * 4..(g + 1) * 4 {
                 // One or two rows read faster than the hardware prefetches: into L2, 4 KB
-                // ahead (whole SmolLM2 q4 passes 2-4 % faster at 1 and 2 rows on a Zen 4,
-                // alternated in one process); more rows keep 2 KB into L1 (4 KB was 2-4 %
-                // slower at 9).
+                // ahead; more rows keep 2 KB into L1 (bench_runtime.py; docs/benchmarks.md
+                // §13).
                 if R > 2 {
                     _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast());
                 } else {

@@ -5,9 +5,7 @@
 //! its own heap allocation lies on 4 KiB pages: a pass walks tens of thousands of them, far
 //! more than the TLB holds, and the cores' prefetchers stop at each page's end. Carved side by
 //! side out of slabs that Linux backs with 2 MiB pages (`MADV_HUGEPAGE`), the weights read
-//! faster: whole SmolLM2 passes on a Zen 4, alternated in one process with the same weights in
-//! separate allocations, int8 up to 10 % faster at one row and 4-13 % at nine, float32 5 % and
-//! 9 % (docs/benchmarks.md).
+//! faster (bench_runtime.py; docs/benchmarks.md §13).
 //!
 //! A slab lives as long as any buffer carved from it; the open slab, which new buffers come
 //! from, is held only through them, so a dropped model frees its slabs.

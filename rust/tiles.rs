@@ -14,6 +14,7 @@
 #[repr(C, align(64))]
 pub struct TileConfig(pub [u8; 64]);
 
+/// The AMX tile configuration llama.cpp's kernels expect.
 pub const GGML_TILE_CONFIG: TileConfig = {
     let mut c = [0u8; 64];
     c[0] = 1;

@@ -347,6 +347,21 @@ impl PyNgramDrafter {
         })
     }
 
+    /// An independent copy: the same options, corpus and live sequence (Rust's `Clone`, with
+    /// the interpreter released, since the indexes may be large).
+    fn __copy__(&self, py: Python<'_>) -> Self {
+        let inner = self.detached(py, |d| d.clone());
+        PyNgramDrafter {
+            inner: Mutex::new(inner),
+        }
+    }
+
+    /// As `__copy__`: a drafter holds no Python objects to copy deeper.
+    fn __deepcopy__(&self, py: Python<'_>, memo: &Bound<'_, PyAny>) -> Self {
+        let _ = memo;
+        self.__copy__(py)
+    }
+
     /// Clears the live sequence; the corpus stays.
     fn reset(&self, py: Python<'_>) {
         self.lock(py).reset();
