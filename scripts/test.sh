@@ -12,4 +12,5 @@ cargo test --release
 ruff check python tests benches
 ruff format --check python tests benches
 python3 -m mypy.stubtest specfast._core
+python3 -m mypy  # python/specfast, [tool.mypy] in pyproject.toml
 python3 -m pytest -q "$@"

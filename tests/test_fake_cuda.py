@@ -32,7 +32,7 @@ except ImportError:
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specfast
-from specfast.targets.torch import model as model_module
+from specfast.targets.torch import attention as attention_module
 from specfast.targets.torch.kv_cache import KVCache, static_cache
 from specfast.targets.torch.model import Model, ModelConfig
 
@@ -201,7 +201,7 @@ class FakeCuda:
             self._patch(cls, name, self._step(cls.__dict__[name]))
         # SDPA's causal bias is a host tensor subclass FakeTensorMode cannot run; the same mask
         # written on the device stands in (test_model checks they are one mask).
-        self._patch(model_module, "causal_lower_right", written_lower_right)
+        self._patch(attention_module, "causal_lower_right", written_lower_right)
         self._patch(generate_module, "speculate", self._round(generate_module.speculate))
         self._patch(generate_module, "_verify", self._verify(generate_module._verify))
         self.mode = FakeTensorMode()

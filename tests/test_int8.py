@@ -13,6 +13,7 @@ import specfast
 from specfast import Model, ModelConfig
 from specfast._core import FloatMatrix, Int8Matrix, Q4Matrix, row_attention
 from specfast.targets.base import argmax_rows
+from specfast.targets.torch.core import core_stack
 from specfast.targets.torch.int8 import core_linear, dequantize
 
 GROUP = 32  # input features per activation scale
@@ -180,7 +181,7 @@ def test_a_verify_pass_equals_one_token_passes_bit_for_bit(kind):
 @pytest.mark.parametrize("kind", ["float", "int8", "q4"])
 def test_greedy_passes_equal_the_argmax_of_full_passes(kind):
     """A core model's forward_greedy calls the core with NumPy arrays and no torch op
-    (Decoder._core_greedy): pass after pass, of several sizes, its ids and the cache it
+    (CoreGreedy.greedy): pass after pass, of several sizes, its ids and the cache it
     leaves are forward()'s."""
     model = core_model(kind)
     ids = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(6))
@@ -193,7 +194,7 @@ def test_greedy_passes_equal_the_argmax_of_full_passes(kind):
         assert torch.equal(got, want) and greedy.length == full.length == pos
     for a, b in ((greedy.cache.k, full.cache.k), (greedy.cache.v, full.cache.v)):
         assert torch.equal(a[:, :, :pos], b[:, :, :pos])
-    assert greedy._core is not None  # the path under test ran
+    assert greedy.core._arrays is not None  # the path under test ran
     for bad, error in (
         (torch.tensor([300]), ValueError),  # beyond the vocabulary
         (torch.tensor([-1]), ValueError),
@@ -305,7 +306,7 @@ def test_the_core_head_is_the_final_norm_and_the_output_product():
     assert torch.allclose(logits, want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(logits, core_linear(normed * 2, packed[-1]), atol=1e-3)
 
-    stack = model._core_stack(packed)
+    stack = core_stack(model, packed)
     c = model.config
     x = model.embed.weight[:1].detach().float().numpy().copy()
     cos, sin = (t[:1].contiguous().numpy() for t in model.rope(1))
@@ -341,7 +342,7 @@ def test_a_core_decoder_caches_in_float16():
             model.kv_dtype = torch.bfloat16
 
     model = tiny_model().quantize_int8("q4")
-    stack = model._core_stack(model.packed_weights())
+    stack = core_stack(model, model.packed_weights())
     c = model.config
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5))
     x0 = model.embed(ids).detach().float().numpy()

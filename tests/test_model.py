@@ -14,7 +14,7 @@ from torch.nn.attention.bias import causal_upper_left
 from specfast import Model, ModelConfig
 from specfast._core import Int8Matrix, advise_huge_pages
 from specfast.targets.base import argmax_rows
-from specfast.targets.torch import model as model_module
+from specfast.targets.torch import attention as attention_module
 from specfast.targets.torch.kv_cache import KVCache
 
 
@@ -276,7 +276,7 @@ def test_attention_is_fused_and_equals_written_out_attention(monkeypatch, sdpa_g
     """model.attention: 4-D grouped-query attention (SDPA's enable_gqa, or the stride-0 expand
     of torch < 2.5) that the CPU flash kernel takes (FLASH_ATTENTION alone raises otherwise),
     with a mask (verify), causal (prefill from 0) or neither (decode), as written out."""
-    monkeypatch.setattr(model_module, "SDPA_GQA", sdpa_gqa)
+    monkeypatch.setattr(attention_module, "SDPA_GQA", sdpa_gqa)
     H, Hkv, hd, L = 6, 2, 16, pos + T
     g = torch.Generator().manual_seed(T)
     q = torch.randn(T, H + Hkv, hd, generator=g)[:, :H].transpose(0, 1)  # (H, T, hd), a view
@@ -284,7 +284,7 @@ def test_attention_is_fused_and_equals_written_out_attention(monkeypatch, sdpa_g
     causal = pos == 0 and T > 1
     mask = torch.ones(T, L, dtype=torch.bool).tril_(pos)  # query i sees keys [0, pos + i]
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        y = model_module.attention(q, k, v, None if causal or T == 1 else mask, causal)
+        y = attention_module.attention(q, k, v, None if causal or T == 1 else mask, causal)
     scores = q @ k.repeat_interleave(H // Hkv, 0).transpose(1, 2) / hd**0.5  # (H, T, L)
     want = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(H // Hkv, 0)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
@@ -295,10 +295,10 @@ def test_verify_mask_on_cuda_is_the_same_mask_unwritten(T, pos):
     """On CUDA a verify pass's mask is SDPA's lower-right causal bias (flash takes it); it must
     be the written mask the CPU uses: row i sees keys [0, pos + i]. Control: the upper-left
     bias (SDPA's is_causal) hides keys the rows must see whenever pos > 0."""
-    written = model_module.verify_mask(T, pos, torch.device("cpu"))
+    written = attention_module.verify_mask(T, pos, torch.device("cpu"))
     assert written.shape == (T, pos + T)
     assert written.sum().item() == T * pos + T * (T + 1) // 2
-    bias = model_module.verify_mask(T, pos, torch.device("cuda"))  # builds nothing on a device
+    bias = attention_module.verify_mask(T, pos, torch.device("cuda"))  # builds nothing on a device
     assert torch.equal(bias._materialize(torch.device("cpu")), written)
     upper = causal_upper_left(T, pos + T)._materialize(torch.device("cpu"))
     assert torch.equal(upper, written) == (pos == 0)
@@ -353,8 +353,8 @@ def test_cuda_passes_take_fused_attention():
         # control: a written mask on the same verify pass cannot take flash
         q = torch.randn(1, c.n_heads, 9, c.head_dim, device="cuda", dtype=model.dtype)
         kv = torch.randn(1, c.n_kv_heads, 39, c.head_dim, device="cuda", dtype=model.dtype)
-        written = model_module.verify_mask(9, 30, torch.device("cpu")).cuda()
-        with model_module.eager_attention_backends(q.device):
+        written = attention_module.verify_mask(9, 30, torch.device("cpu")).cuda()
+        with attention_module.eager_attention_backends(q.device):
             got = attention_kernels(
                 lambda: F.scaled_dot_product_attention(
                     q, kv, kv, attn_mask=written, enable_gqa=True

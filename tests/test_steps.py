@@ -1,4 +1,4 @@
-"""Static-shape compiled steps (targets/torch/steps.py, Model.forward_static) and dtype="auto".
+"""Static-shape compiled steps (targets/torch/static.py, Model.forward_static) and dtype="auto".
 
 The claims: a step never synchronises with the host; every bucket compiles to one graph with no
 break, and no acceptance count causes a recompile; compiled output is token for token what
@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import specfast
 from specfast import hardware
 from specfast.autok import measured_pass_costs
-from specfast.targets.torch import steps
+from specfast.targets.torch import static as steps
 from specfast.targets.torch.model import Model, ModelConfig, resolve_dtype
 
 CONFIG = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_context=512)

@@ -17,7 +17,7 @@ from specfast.targets import base
 from specfast.targets.torch.model import Model
 
 generate_module = importlib.import_module("specfast.generate")
-model_module = importlib.import_module("specfast.targets.torch.model")
+decoder_module = importlib.import_module("specfast.targets.torch.decoder")
 
 
 def blocking(values, device, dtype=torch.long):
@@ -46,7 +46,7 @@ def test_a_greedy_round_syncs_once(drafter, static):
 
 def test_control_a_greedy_round_with_a_blocking_upload_syncs_twice(monkeypatch):
     """greedy_ids uploading the round's ids with torch.tensor(device=...), as it once did."""
-    monkeypatch.setattr(model_module, "to_device", blocking)
+    monkeypatch.setattr(decoder_module, "to_device", blocking)
     fc = rounds("ngram")
     assert all(r == ["upload", "tolist"] for r in fc.rounds), fc.rounds
 

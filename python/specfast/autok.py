@@ -20,17 +20,17 @@ The n-gram's rates outlive a call (and a draft model's, when the next call draft
 one): each generate() call on a target starts from a copy of the
 rates the last call on it ended with (`shared_match_rates`), as pass costs carry over, weighed
 as a prior (two observations' worth) so that a chat after a code edit relearns within two
-rounds. A fresh call's prior says a 3-8 token match is right 67-84 % of the time; in open chat
-it is right far less often, and where a batched pass is dear (llama.cpp on a CPU) relearning
-that in every call cost several percent of every answer. Outputs do not change: greedy is
+rounds. A fresh call's prior says a 3-8 token match is usually right; in open chat it is right
+far less often, and where a batched pass is dear (llama.cpp on a CPU) relearning that in every
+call would cost every answer. Outputs do not change: greedy is
 exact whatever k, and n-gram sampling draws each position from (seed, position), whatever the
 rounds.
 
 Pass cost: the mean time measured at a pass length where that length was timed often enough
 (always for t(1), the plain step), else a line through the means of every measured length. On
-llama.cpp the cost is concave at the start (12, 19, 23 ms at n = 1, 2, 3), so the line alone puts
-t(1) a sixth too high and t(2) too low: plain decoding looks slower than it is, and weak drafts
-look worth it. The n-gram prices a length longer than any timed one no dearer than the longest
+llama.cpp the cost is concave at the start (docs/benchmarks.md §4), so the line alone would put
+t(1) too high and t(2) too low: plain decoding would look slower than it is, and weak drafts
+worth it. The n-gram prices a length longer than any timed one no dearer than the longest
 timed one, so it gets tried: llama.cpp's curve has dips the line cannot see (16 rows cheaper
 than 13), and a length the line overprices would never be timed.
 
@@ -49,19 +49,16 @@ import copy
 import weakref
 
 # k such that a pass over k + 1 rows is 1, 2, 3, 4, 6, 8, 12, 16 or 24: powers of two and their
-# midpoints. llama.cpp's CPU kernels take rows in blocks (Q4_K on a Zen 4 and on a Xeon: 16 rows
-# cost less than 13-15), and compiled steps pad a pass to a power of two (steps.BUCKETS), so 17
-# rows cost as much as 32 there. Measured by replaying fixed outputs with each candidate set
-# (`python benches/llama_replay.py [--costs-of specfast --max-pass 33]`): these beat
-# (0, 1, 2, 3, 4, 6, 8, 10, 12, 16) on code editing by 5-8 % and matched it elsewhere. A pass
-# over 24 pays where verifying is nearly free (torch in bf16 on a Zen 4: 24 tokens cost 1.6 of
-# one).
+# midpoints. llama.cpp's CPU kernels take rows in blocks (16 rows can cost less than 13-15), and
+# compiled steps pad a pass to a power of two (static.BUCKETS), so 17 rows cost as much as 32
+# there. The set is chosen by replaying fixed outputs with each candidate set
+# (`python benches/llama_replay.py [--costs-of specfast --max-pass 33]`; docs/benchmarks.md
+# §13). A pass over 24 pays only where verifying is nearly free (LONG_PASS below).
 CANDIDATES = (0, 1, 2, 3, 5, 7, 11, 15, 23)
 # Passes past LONG_PASS tokens are candidates only once a LONG_PASS-token pass has been timed at
 # no more than LONG_PASS_MAX_COST single steps: verifying is nearly free there. Elsewhere the
 # geometric acceptance model overrates long drafts (the n-gram's runs are all-or-nothing), and
-# with llama.cpp's CPU costs (24 tokens for 9.7 steps) the replay lost 5-6 % on code editing and
-# quoting with 24 allowed, most of it from tries on the flat prior before any pass was timed.
+# tries on the flat prior before any pass is timed cost more than they find (llama_replay.py).
 LONG_PASS, LONG_PASS_MAX_COST = 16, 2.0
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower edges, in tokens of match length
 # Lower edges of the draft model's probability for its token; the last buckets are narrow
@@ -71,9 +68,8 @@ CARRIED_WEIGHT = 2.0  # observations' worth of a rate carried from the last call
 REARM_K = 8  # a draft at least this long, accepted whole, re-arms backed-off buckets' probes
 MODEL_REARM_K = 2  # a draft model's probe re-arms its probing when this many are accepted whole
 # Shorter n-gram matches are never probed once their rate says "off": when text starts to repeat,
-# its matches grow past this within a token or two and the longer buckets take over. Replayed
-# over SmolLM2 and Qwen2.5-Coder on llama.cpp (benches/llama_replay.py), probing 1-2 token
-# matches never paid: it cost open questions 3.5 % and quoting 4 %, and gained code edits nothing.
+# its matches grow past this within a token or two and the longer buckets take over; probing 1-2
+# token matches never paid in benches/llama_replay.py (docs/benchmarks.md §13).
 PROBE_MIN_MATCH = 3
 # A bucket explores untried pass lengths (pass_seconds) once its drafts have had this many tokens
 # accepted (decayed): on a prior alone, open text paid for the tries and got nothing back.
@@ -182,7 +178,7 @@ class AutoK:
         confidence calibration stays per call."""
         last = latest.get("draft")  # (weak reference or name, that call's AutoK)
         same_draft = draft is not None and last is not None and _is(last[0], draft)
-        if same_draft:
+        if same_draft and last is not None:
             self.draft_step_seconds = last[1].draft_step_seconds
         for bucket, r in list(latest.get("rates", {}).items()):  # one C call: thread-safe
             if bucket is not None or same_draft:
@@ -227,10 +223,10 @@ class AutoK:
             # A probe that found something re-arms frequent probing; one that did not backs off.
             # For the n-gram, any accepted draft is news (text that repeats). A draft model
             # whose rate says "off" still gets its first draft right now and then (an EAGLE
-            # head in open text: 30-50 % of the time, and it often stops itself after one), and
-            # re-arming on that probed every 4th round for good, each probe a catch-up and a
-            # longer pass: 4-9 % of open text's time. Only a run of 2+ drafts accepted whole is
-            # news for it; its rate still counts every draft, and turns it on if they pay.
+            # head in open text often does, and often stops itself after one), and re-arming on
+            # that would probe every few rounds for good, each probe a catch-up and a longer
+            # pass. Only a run of 2+ drafts accepted whole is news for it; its rate still counts
+            # every draft, and turns it on if they pay.
             if match_length is None:
                 found = n_accepted == n_draft >= MODEL_REARM_K
             else:

@@ -216,7 +216,9 @@ def check_settings(
         raise TypeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    params = dict(temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, min_p=min_p or 0.0)
+    params: dict[str, Any] = dict(
+        temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, min_p=min_p or 0.0
+    )
     if top_p == 0:
         params["top_p"] = 0.0  # `or` would turn it into "off"; let the check refuse it
     check_sampling_params(**params)
@@ -379,7 +381,7 @@ def speculate(
     out, logits, features = _verify(
         decoder, tokens, draft, q, len(emit.token_ids), sampling, settings.device, layers
     )
-    seconds = time.perf_counter() - t1
+    seconds: float | None = time.perf_counter() - t1
     n_accepted = len(out) - 1
     if features is not None:
         features = features[: n_accepted + 1]

@@ -1,10 +1,9 @@
 """What the hardware is good at: the dtype "auto" picks, and the CPU flags every figure names.
 
-On a CPU without native bf16 (AVX2 only), torch emulates bf16 arithmetic: a 4096x4096 bf16
-matrix-vector product ran at 2.7 GB/s against 21 GB/s in float32 on such a machine. And a float32
-model's passes run in the core at the memory's rate (rust/float.rs), exact to themselves: on a
-Zen 4 with AVX512-BF16 a SmolLM2 step took 19.6 ms there against 25.1 ms through torch's bf16
-(oneDNN), which reads half the bytes. So "auto" starts from bf16 on a CPU only with AMX, whose
+On a CPU without native bf16 (AVX2 only), torch emulates bf16 arithmetic, several times slower
+than float32. And a float32 model's passes run in the core at the memory's rate (rust/float.rs),
+exact to themselves, which beat torch's bf16 (oneDNN) on AVX512-BF16 CPUs though it reads half
+the bytes (docs/benchmarks.md §13). So "auto" starts from bf16 on a CPU only with AMX, whose
 bf16 tiles oneDNN runs, and load_model then times it against float32 for the model at hand
 (targets/torch/int8.py: auto_float_dtype).
 """

@@ -63,7 +63,7 @@ from specfast.generate import (
     run_turn,
 )
 from specfast.targets import as_target, make_decoder
-from specfast.targets.base import Target, common_prefix
+from specfast.targets.base import Decoder, Target, common_prefix
 
 DEFAULT_MAX_LENGTH = 8192
 # Options fixed when the session starts: they shape the drafter.
@@ -136,9 +136,9 @@ class Session:
         self.fingerprint: str | None = None
         if corpus is not None:
             drafter = self._open_corpus(drafter)
-        first = check_settings(model, self.tokenizer, **defaults)  # checks the defaults now
+        first = check_settings(target, self.tokenizer, **defaults)  # checks the defaults now
         self._drafter = self._make_drafter(drafter, first)
-        self._decoder = None  # allocated on the first send
+        self._decoder: Decoder | None = None  # allocated on the first send
         self._ids: list[int] = []  # the conversation's tokens; the drafter holds them all
         self._turns: list[Turn] = []
 
@@ -161,7 +161,9 @@ class Session:
 
     def messages(self) -> list[dict]:
         """The conversation as chat messages (str turns only), system first."""
-        msgs = [{"role": "system", "content": self.system}] if self.system is not None else []
+        msgs: list[dict] = []
+        if self.system is not None:
+            msgs.append({"role": "system", "content": self.system})
         for t in self._turns:
             msgs.append({"role": "user", "content": t.message})
             msgs.append({"role": "assistant", "content": t.reply_text or ""})
@@ -243,13 +245,15 @@ class Session:
     def _restore(self, ids: list[int], cached: int) -> None:
         """Undoes an interrupted turn: the cache keeps at most `cached` tokens (what the old
         and the new context share), the drafter holds `ids` again."""
-        self._decoder.rollback(min(self._decoder.length, cached))
+        if self._decoder is not None:
+            self._decoder.rollback(min(self._decoder.length, cached))
         self._drafter.rollback(ids)
 
     def _reusable(self, ids: list[int], keep: int) -> int:
         """How much of the cache the next turn keeps: the tokens it holds that `ids` shares,
         leaving at least one token to prefill (its logits give the first new token)."""
-        return min(self._decoder.length, keep, len(ids) - 1)
+        length = 0 if self._decoder is None else self._decoder.length
+        return min(length, keep, len(ids) - 1)
 
     def _context_for(self, message) -> list[int]:
         """The conversation's tokens with this message appended (template applied to a str)."""

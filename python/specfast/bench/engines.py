@@ -150,7 +150,7 @@ def load_hf_model(path: str | Path, dtype: str, device: str) -> Any:
         m = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=tdtype)
     else:
         m = AutoModelForCausalLM.from_pretrained(p, dtype=tdtype)
-    return m.to(device).eval()
+    return m.to(device).eval()  # type: ignore[arg-type]  # (transformers types .to oddly)
 
 
 def load_hf_tokenizer(path: str | Path) -> Any:

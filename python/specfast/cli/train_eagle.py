@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from specfast.cli.common import DTYPE_CHOICES, positive_float, positive_int
-from specfast.eagle.train import TrainConfig, train_eagle
+from specfast.eagle.job import train_eagle
+from specfast.eagle.train import TrainConfig
 
 
 def add_train_eagle(sub) -> None:

@@ -17,7 +17,7 @@ from specfast.targets.base import default_model_path
 from specfast.targets.llama_cpp import load_llama
 from specfast.targets.torch.int8 import QUANTIZED, auto_float_dtype, auto_weights, check_weights
 from specfast.targets.torch.model import Model, resolve_device, resolve_dtype, trim_heap
-from specfast.targets.torch.steps import resolve_compile, warmup
+from specfast.targets.torch.static import resolve_compile, warmup
 
 
 def load_model(

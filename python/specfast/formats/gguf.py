@@ -100,7 +100,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
                 .astype(np.float64)
             )
         config = ModelConfig(
-            vocab_size=int(vocab),
+            vocab_size=int(vocab or 0),  # (set above: the metadata, tokens or embedding)
             dim=dim,
             n_layers=int(meta("block_count")),
             n_heads=n_heads,

@@ -29,10 +29,10 @@ def config_from_hf(cfg: dict, source: Path) -> ModelConfig:
             f"{source}: model_type {arch!r} is not supported; use one of {SUPPORTED_ARCHS}"
         )
     # transformers 5 nests theta and scaling in rope_parameters; 4.x has rope_theta + rope_scaling
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-    if rope.get("rope_type", rope.get("type", "default")) == "default":
-        rope = None
+    scaling = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = scaling.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    default = scaling.get("rope_type", scaling.get("type", "default")) == "default"
+    rope = None if default else scaling
     try:
         n_heads = cfg["num_attention_heads"]
         return ModelConfig(
@@ -41,7 +41,7 @@ def config_from_hf(cfg: dict, source: Path) -> ModelConfig:
             n_layers=cfg["num_hidden_layers"],
             n_heads=n_heads,
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or None,
+            head_dim=cfg.get("head_dim") or None,  # type: ignore[arg-type]  # None: dim / heads
             intermediate_size=cfg["intermediate_size"],
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
@@ -107,8 +107,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Model:
             model.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on bad files
             raise ValueError(f"{folder / 'tokenizer.json'}: cannot load tokenizer: {e}") from None
-    tok_cfg = folder / "tokenizer_config.json"
-    tok_cfg = _read_json(tok_cfg) if tok_cfg.is_file() else {}
+    tok_path = folder / "tokenizer_config.json"
+    tok_cfg = _read_json(tok_path) if tok_path.is_file() else {}
     template = tok_cfg.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text(encoding="utf-8")

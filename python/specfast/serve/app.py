@@ -152,7 +152,7 @@ class Server:
         self.jobs.add(job)
         job.on_end = self.done
         future = self.executor.submit(self.generate, job)
-        future.add_done_callback(lambda _: job.ended or job.end("cancelled"))  # never ran
+        future.add_done_callback(lambda _: None if job.ended else job.end("cancelled"))  # never ran
 
     def done(self, job: Job) -> None:
         self.in_flight -= 1

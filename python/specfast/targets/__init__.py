@@ -13,7 +13,7 @@ the code sees a Target and its Decoders, never a class.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -157,3 +157,17 @@ class ObjectDecoder:
         if not callable(copy):
             raise TypeError(f"fork() cannot copy a {type(self.inner).__name__} cache")
         return ObjectDecoder(copy())
+
+
+if TYPE_CHECKING:  # mypy checks that each runtime meets both protocols (scripts/test.sh)
+    from specfast.targets.hf import HFDecoder
+    from specfast.targets.llama_cpp.decoder import LlamaDecoder
+    from specfast.targets.torch.decoder import Decoder as TorchDecoder
+
+    def _targets(a: Model, b: HFTarget, c: LlamaTarget, d: ObjectTarget) -> list[Target]:
+        return [a, b, c, d]
+
+    def _decoders(
+        a: TorchDecoder, b: HFDecoder, c: LlamaDecoder, d: ObjectDecoder
+    ) -> list[Decoder]:
+        return [a, b, c, d]

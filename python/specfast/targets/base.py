@@ -77,7 +77,10 @@ class EagleFacts:
     n_layers: int
     dtype: torch.dtype
     device: torch.device
-    embedding: Callable[[torch.dtype], torch.Tensor]  # (V, D) in that dtype
+    # (V, D) in that dtype; None where it is read from a GGUF file: then `embedding_from` is
+    # the llama_cpp.Llama whose file holds it (formats.gguf.llama_embedding reads it)
+    embedding: Callable[[torch.dtype], torch.Tensor] | None
+    embedding_from: Any = None
 
 
 @runtime_checkable
@@ -85,17 +88,42 @@ class Target(Protocol):
     """A model the loop can verify with. `source` is the object the caller passed, which
     per-target state (auto k's measured pass costs) is keyed on."""
 
-    source: Any
-    vocab_size: int  # as the logits see it
-    max_context: int  # positions
-    device: torch.device
-    tokenizer: Tokenizer | None
-    eos_token_ids: list[int]  # the model's own end-of-generation ids (may be empty)
-    chat_template: str | None
-    weights: str  # "float", or "int8" / "q4" where the matrices run quantized
-    features: bool  # decoders return the inputs of chosen layers (an EAGLE head reads them)
-    output_rows: bool  # decoder.forward takes `head=` (a draft vocabulary's rows)
-    context_hint: str  # which setting sets the context, for error messages
+    # Read-only facts: a runtime may give each as an attribute or a property.
+    @property
+    def source(self) -> Any: ...
+    @property
+    def vocab_size(self) -> int:  # as the logits see it
+        ...
+
+    @property
+    def max_context(self) -> int:  # positions
+        ...
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+    @property
+    def eos_token_ids(self) -> list[int]:  # the model's own end-of-generation ids (may be empty)
+        ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def weights(self) -> str:  # "float", or "int8" / "q4" where the matrices run quantized
+        ...
+
+    @property
+    def features(self) -> bool:  # decoders return the inputs of chosen layers (EAGLE heads)
+        ...
+
+    @property
+    def supports_head(self) -> bool:  # decoder.forward takes `head=` (a draft vocabulary's rows)
+        ...
+
+    @property
+    def context_hint(self) -> str:  # which setting sets the context, for error messages
+        ...
 
     def decoder(self, max_length: int | None = None) -> Decoder: ...
     def parameter_count(self) -> int: ...
@@ -129,8 +157,7 @@ def default_model_path() -> Path:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits (T, V) -> (T,) int64: each row's argmax, with torch.argmax's rules (the first index
     on ties; a NaN counts as the largest). float32 on CPU goes through NumPy, whose SIMD argmax
-    takes 10-15 µs over a 49k vocabulary row where torch's takes 65-100 µs; for a verify pass
-    of 9 rows that is 0.5 ms of a 22 ms pass."""
+    is several times faster than torch's over a vocabulary row (docs/benchmarks.md §13)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return argmax_array(logits.detach().numpy())
     return logits.argmax(dim=-1)

@@ -11,6 +11,7 @@ import inspect
 import torch
 
 from specfast.targets.base import (
+    Decoder,
     EagleFacts,
     argmax_rows,
     check_ids,
@@ -71,7 +72,8 @@ class HFDecoder:
     def length(self) -> int:
         return self._length
 
-    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, last_only: bool = False, features=None) -> torch.Tensor:
+        check_no_features(features)
         check_ids(ids, self.device, self.vocab_size, self._length, self.max_length)
         T, pos = ids.shape[0], self._length
         positions = torch.arange(pos, pos + T, device=ids.device)
@@ -87,9 +89,9 @@ class HFDecoder:
         logits = out.logits[0]  # (T, V)
         return (logits[-1:] if last_only else logits).float()
 
-    def forward_greedy(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward_greedy(self, ids: torch.Tensor, features=None) -> torch.Tensor:
         """ids (T,) -> (T,) argmax ids, on the device; appends T tokens."""
-        return argmax_rows(self.forward(ids))
+        return argmax_rows(self.forward(ids, features=features))
 
     def greedy_ids(self, tokens: list[int]) -> list[int]:
         """forward_greedy over a list of ids -> the argmax id of every row, as ints."""
@@ -105,7 +107,7 @@ class HFDecoder:
     def reset(self) -> None:
         self.rollback(0)
 
-    def copy(self) -> HFDecoder:
+    def copy(self) -> Decoder:
         """An independent decoder holding the same positions (its own copy of the cache)."""
         new = copy.copy(self)
         new.cache = copy.deepcopy(self.cache)
@@ -134,7 +136,7 @@ class HFTarget:
     def device(self) -> torch.device:
         return self.source.device
 
-    def decoder(self, max_length: int | None = None) -> HFDecoder:
+    def decoder(self, max_length: int | None = None) -> Decoder:
         return HFDecoder(self.source, max_length)
 
     def parameter_count(self) -> int:
@@ -150,6 +152,15 @@ class HFTarget:
     def describe(self) -> dict[str, str]:
         dtype = str(next(self.source.parameters()).dtype).removeprefix("torch.")
         return {"runtime": "transformers", "dtype": dtype, "weights": "float", "step": "eager"}
+
+
+def check_no_features(features) -> None:
+    """transformers passes return no layer inputs: a pass that asks for them is refused."""
+    if features is not None and features is not False:
+        raise ValueError(
+            "the transformers adapter returns no hidden-state features; load the checkpoint "
+            "folder with specfast.load_model(path) for drafters that read them (EAGLE)"
+        )
 
 
 def hf_eos_ids(hf_model) -> list[int]:

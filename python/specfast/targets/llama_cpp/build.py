@@ -194,7 +194,7 @@ def tile_restorer() -> Callable[[int], None] | None:
         return None
     restore = ctypes.c_void_p(_core.ggml_tile_restorer())
     if "OPENMP = 1" not in info:  # ggml's own thread pool: only the calling thread is shared
-        on_this_thread = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(restore.value)
+        on_this_thread = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(restore.value or 0)
         return lambda n_threads: on_this_thread(None)
     # The libgomp that libggml-cpu and torch share: the first libgomp.so.1 loaded.
     gomp_parallel = ctypes.CDLL("libgomp.so.1").GOMP_parallel

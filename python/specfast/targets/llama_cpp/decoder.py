@@ -151,9 +151,8 @@ class LlamaDecoder:
 
     def greedy_ids(self, tokens: list[int]) -> list[int]:
         """forward_greedy over a list of ids -> the argmax id of every row, as ints. No torch
-        call on the way: right after a llama_decode the caches are cold and each costs 40-50
-        us (the plain loop's time outside llama_decode went from 0.50 to 0.26 ms a token on
-        SmolLM2 Q4_1; llama-cpp-python's own loop takes 0.22-0.25)."""
+        call on the way: right after a llama_decode the caches are cold and each torch call
+        costs tens of microseconds (docs/benchmarks.md §13)."""
         return self._run(tokens, False, greedy=True).tolist()
 
     def forward(self, ids: torch.Tensor, last_only: bool = False, features=None):
@@ -175,7 +174,7 @@ class LlamaDecoder:
         inputs = self._layer_inputs(layers)
         rows = 1 if last_only else T
         out = np.empty(rows, dtype=np.int64) if greedy else torch.empty(rows, V)
-        feats = None if inputs is None else torch.empty(T, len(layers) * inputs.dim)
+        feats = None if inputs is None else torch.empty(T, len(inputs.layers) * inputs.dim)
         row = 0
         try:
             for lo in range(0, T, self._n_batch):  # llama_decode takes at most n_batch tokens
@@ -192,7 +191,7 @@ class LlamaDecoder:
                     else:
                         out[row : row + n_out] = torch.from_numpy(logits)
                     row += n_out
-                if inputs is not None:
+                if inputs is not None and feats is not None:
                     inputs.read_into(feats[lo : lo + len(chunk)])
         except BaseException:
             # Leave the sequence as it was before this call, whatever part of it went in.

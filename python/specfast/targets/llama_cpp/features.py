@@ -88,6 +88,7 @@ class LayerInputs:
         """out (rows, n*D) <- the last decode's first `rows` tokens' inputs, one block per
         layer."""
         rows, D = out.shape[0], self.dim
+        assert self._get is not None  # made with layers: read_into is called only then
         for j, i in enumerate(self.layers):
             got = np.ctypeslib.as_array(self._get(self.ctx, i), shape=(rows, D))
             out[:, j * D : (j + 1) * D] = torch.from_numpy(got)  # a copy: the buffer is reused

@@ -38,7 +38,6 @@ class LlamaTarget:
         """The head runs in torch at dtype "auto" on the CPU, on features llama.cpp returns."""
         import llama_cpp
 
-        from specfast.formats.gguf import llama_embedding
         from specfast.hardware import auto_dtype
 
         llama = self.source
@@ -49,7 +48,8 @@ class LlamaTarget:
             int(llama_cpp.llama_model_n_layer(llama.model)),
             auto_dtype(torch.device("cpu")),
             torch.device("cpu"),
-            lambda dtype: llama_embedding(llama, dtype),
+            None,
+            embedding_from=llama,  # llama.cpp gives no embedding matrix: its GGUF has it
         )
 
     def describe(self) -> dict[str, str]:

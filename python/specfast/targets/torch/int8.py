@@ -20,6 +20,7 @@ it), so each is timed once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -78,8 +79,8 @@ def dequantize(m: Int8Matrix | Q4Matrix | FloatMatrix) -> torch.Tensor:
         q, d, mins = (torch.from_numpy(a) for a in m.parts())  # (N, K), (N, G), (N, G)
         groups = torch.arange(m.cols) // 32
         return q.float() * d[:, groups] + mins[:, groups]
-    q, scales = m.weights()
-    return torch.from_numpy(q).float() * torch.from_numpy(scales)[:, None]
+    q8, scales = m.weights()
+    return torch.from_numpy(q8).float() * torch.from_numpy(scales)[:, None]
 
 
 def core_linear(x: torch.Tensor, m: Int8Matrix | Q4Matrix | FloatMatrix) -> torch.Tensor:
@@ -138,7 +139,9 @@ def auto_weights(
     kinds, then read from the cache."""
     if sum(p.numel() for p in model.parameters()) < AUTO_MIN_WEIGHTS:
         return model, {"weights": "float", "reason": f"under {AUTO_MIN_WEIGHTS} weights"}
-    loaders = {"float": lambda: model, **{kind: (lambda k=kind: load(k)) for kind in kinds}}
+    loaders: dict[str, Callable[[], Any]] = {"float": lambda: model}
+    for kind in kinds:
+        loaders[kind] = functools.partial(load, kind)
     c = model.config
     shape = (c.dim, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size)
     choice, fastest, entry = _fastest(_key(model.dtype, shape, kinds), loaders)
@@ -152,9 +155,9 @@ def auto_float_dtype(source: Path, load: Callable[[torch.dtype], Any]) -> tuple[
     """The faster of `load(torch.bfloat16)` and `load(torch.float32)` on this CPU, by a timed
     decode step, once per CPU and model file (then only the one kept is loaded). On AMX,
     oneDNN's bf16 tiles read half the bytes, but the core's float32 products (rust/float.rs)
-    reach the memory's rate where oneDNN's skinny products do not: on a Xeon, SmolLM2-135M
-    stepped in 18.7-19.3 ms in float32 against 22.6-27.7 in bf16, while Qwen2.5 1.5B took 209
-    against 144. A float32 copy that would take over half the memory left is not tried."""
+    reach the memory's rate where oneDNN's skinny products do not, so which wins depends on
+    the model (docs/benchmarks.md §12, the Xeon). A float32 copy that would take over half the
+    memory left is not tried."""
     try:
         stat = source.stat()
     except OSError:  # the loader says what is wrong with the path

@@ -64,8 +64,7 @@ class KVCache:
 
 def _zeros(shape, device, dtype) -> torch.Tensor:
     """A zeroed buffer; on CPU, on 2 MiB pages where Linux gives them (asked for before the
-    zeros touch the memory): SmolLM2's one-row int8 and q4 passes after 500 tokens 1-4 % faster
-    on a Zen 4, alternated in one process with a cache on 4 KiB pages."""
+    zeros touch the memory; bench_runtime.py, docs/benchmarks.md §13)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
     t = torch.empty(shape, device=device, dtype=dtype)

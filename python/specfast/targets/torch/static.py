@@ -4,7 +4,7 @@ At batch 1 an eager step is bound by kernel launches, not by memory (gpt-fast: L
 tok/s eager, 107 compiled with a static cache). So the compiled step has one shape per bucket:
 a decode step is [1], a verify step over k+1 tokens is padded up to the next bucket, the cache
 has a fixed capacity, positions are a device tensor and attention masks come from positions
-(`Model.forward_static`). Under `mode="reduce-overhead"` each bucket replays as a CUDA graph.
+(`forward_static`). Under `mode="reduce-overhead"` each bucket replays as a CUDA graph.
 
 On CPU the eager step with oneDNN-prepacked weights is the fast one (see README), so
 compile="auto" compiles on CUDA only.
@@ -18,6 +18,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from specfast.targets.torch.attention import attention
+from specfast.targets.torch.kv_cache import static_cache
 
 # Rows of a verify step are padded up to one of these; a decode step is bucket 1.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -115,3 +118,78 @@ def warmup(model, max_length: int | None = None, buckets=BUCKETS, log=True) -> d
                 flush=True,
             )
     return seconds
+
+
+# ----------------------------------------------------------------------------
+# the static pass
+
+
+def forward_static(model, ids, positions, k_cache, v_cache, cos_table, sin_table):
+    """Model.forward_static: the pass with every shape fixed, for torch.compile and CUDA graphs.
+
+    ids (B,) and positions (B,) on the device; k_cache, v_cache (n_layers, Hkv, C, hd) written
+    at `positions` (index_copy_, no host arithmetic); cos/sin tables (C, hd). Attention reads
+    all C slots and masks key j for query i unless j <= positions[i], so stale slots past the
+    live length never count and rollback stays one integer. Padding rows (positions C - 1)
+    write into a slot no live query sees. -> (logits (B, V), argmax ids (B,)).
+    """
+    C = k_cache.shape[2]
+    cos, sin = cos_table[positions, None, :], sin_table[positions, None, :]  # (B, 1, hd)
+    slots = torch.arange(C, device=ids.device)
+    mask = slots[None, :] <= positions[:, None]  # (B, C)
+
+    def attend(i, q, k, v):  # q (H, B, hd); k, v (Hkv, B, hd)
+        k_cache[i].index_copy_(1, positions, k)
+        v_cache[i].index_copy_(1, positions, v)
+        return attention(q, k_cache[i], v_cache[i], mask)
+
+    # oneDNN-prepacked weights are opaque to the compiler; inductor lays out its own.
+    packed = None if torch.compiler.is_compiling() else model.packed_weights()
+    x = model._layers(model.embed(ids), cos, sin, attend, packed)
+    logits = model._head(x, None, packed)
+    return logits, logits.argmax(dim=-1)
+
+
+class StaticStep:
+    """A decoder's compiled passes: a fixed-capacity cache (one per model and capacity, so the
+    CUDA graphs recorded for its addresses replay for the next decoder too), the rope tables
+    as static inputs, and ids padded to a bucket."""
+
+    def __init__(self, model, max_length: int):
+        self.model = model
+        self.step = model.compiled_step
+        model._restore_plain()  # a compiled step reads the plain weights, not the packed
+        capacity = max(model.static_capacity, static_capacity(max_length))
+        self.cache = static_cache(model, capacity)
+        # The same tensors every pass, marked static: CUDA graphs read them in place instead
+        # of copying them in before each replay.
+        self.tables = tuple(t[:capacity] for t in model.rope(capacity))
+        for t in self.tables:
+            torch._dynamo.mark_static_address(t, guard=False)
+        self.cold_passes = 0  # passes that compiled a graph or recorded a CUDA graph
+
+    def takes(self, ids, last_only, head) -> bool:
+        """Whether the compiled step can run this pass (all rows, the full head, a bucket)."""
+        return not last_only and head is None and len(ids) <= BUCKETS[-1]
+
+    def run(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled step over ids padded to a bucket -> (logits (T, V), argmax (T,))."""
+        cache = self.cache
+        T, pos = ids.shape[0], cache.length
+        B, C = bucket(T), cache.k.shape[2]
+        cos, sin = self.tables  # (C, hd) each
+        with torch.inference_mode():  # inputs made here are inference tensors, like the cache
+            padded = torch.zeros(B, dtype=torch.long, device=ids.device)
+            padded[:T] = ids
+            # Padding rows sit at slot C - 1, which no live query sees. No host arithmetic on
+            # device values, so no sync.
+            positions = torch.arange(pos, pos + B, device=ids.device).clamp_max_(C - 1)
+            logits, top = self.step(padded, positions, cache.k, cache.v, cos, sin)
+        cache.length = pos + T
+        m = self.model
+        key = (B, id(cache.k))  # buffers are kept objects (static_cache): one id each
+        m._step_runs[key] = m._step_runs.get(key, 0) + 1
+        if m._step_runs[key] <= m.cold_runs:
+            self.cold_passes += 1
+        # CUDA graphs reuse their output buffers on the next replay: hand out copies.
+        return logits[:T].clone(), top[:T].clone()

@@ -1,0 +1,111 @@
+"""The core pass: where a model runs float32 activations on CPU (float32, int8 or q4 weights),
+the whole stack, head included, is one call into the Rust core (rust/layer.rs) over the
+decoder's cache. `forward_in_core` is Model.forward's form of it (torch tensors in and out);
+`CoreGreedy` is a greedy decoder's, with NumPy between passes and no torch op at all."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specfast._core import CoreLayers
+from specfast.targets.base import argmax_array, check_ids
+from specfast.targets.torch.eager import model_features
+from specfast.targets.torch.int8 import INT8_SERIAL_ROWS
+from specfast.targets.torch.kv_cache import KVCache
+
+# Caches a model's passes run in the core over (rust/attention.rs): float16 halves what a pass
+# reads at long context; each value is rounded once, when written.
+CORE_CACHE_DTYPES = (torch.float16, torch.float32)
+
+
+def runs_in_core(model, cache: KVCache) -> bool:
+    """True where a pass of `model` over `cache` is one call into the core."""
+    return model.in_core and cache.k.dtype in CORE_CACHE_DTYPES
+
+
+def forward_in_core(model, ids, cache: KVCache, pos: int, last_only, head, aux_layers):
+    """Model.forward in the core: the stack in one call, in place on the embedded rows; the
+    head's logits from the same call unless `head` (OutputRows) replaces the projection."""
+    T = ids.shape[0]
+    cos, sin = model.rope(pos + T)
+    cos, sin = cos[pos : pos + T], sin[pos : pos + T]  # (T, hd)
+    packed = model.packed_weights()
+    aux: dict | None = None if aux_layers is None else dict.fromkeys(aux_layers)
+    rows = 1 if last_only else T
+    logits = None if head is not None else torch.empty(rows, model.vocab_size)
+    x = model.embed(ids).float().contiguous()  # (T, D)
+    ids_aux = list(aux or ())
+    feats = torch.empty(len(ids_aux), *x.shape)  # (n, T, D): the input of each aux layer
+    out = None if logits is None else logits.numpy()
+    stack = core_stack(model, packed)
+    stack.forward(
+        x.numpy(), cos.contiguous().numpy(), sin.contiguous().numpy(), cache.k.numpy(),
+        cache.v.numpy(), pos, ids_aux, feats.numpy(), out,
+    )  # fmt: skip
+    if aux is not None:
+        for i, f in zip(ids_aux, feats, strict=True):
+            aux[i] = f
+    if logits is None:
+        logits = model._head(x[-1:] if last_only else x, head, packed)
+    return logits if aux is None else (logits, model_features(aux, aux_layers))
+
+
+def core_stack(model, packed) -> CoreLayers:
+    """The core's stack of the model's layers, made once per packing (making the arguments of
+    30 layer calls is a measurable part of a small model's pass)."""
+    if model._stack[0] is not packed:
+        args = []
+        for layer, (qkv, o, gate_up, down) in zip(model.layers, packed, strict=False):
+            bias = layer.wqkv.bias
+            bias = None if bias is None else bias.detach().numpy()
+            attn, ffn = layer.attn_norm.detach().numpy(), layer.ffn_norm.detach().numpy()
+            args.append((attn, qkv, bias, o, ffn, gate_up, down))
+        c, norm = model.config, model.norm.detach().numpy()
+        model._stack = (packed, CoreLayers(args, c.n_heads, c.norm_eps, norm, packed[-1]))
+    return model._stack[1]
+
+
+class CoreGreedy:
+    """A decoder's greedy passes in the core, over NumPy views of its arrays: a pass streams
+    the weights through the caches, so a torch op between passes runs cold, and the dozen in
+    Model.forward cost a one-row pass a measurable share (benches/bench_runtime.py). The same
+    call into the core on the same values, so the same ids as Decoder.forward's argmax."""
+
+    def __init__(self):
+        # (No reference to the decoder: a cycle would keep a compiled decoder's cache buffers
+        # from going back to kv_cache.static_cache's free list when the decoder goes.)
+        self._arrays: tuple | None = None  # (packing, embedding, arrays)
+        self._logits = np.empty((0, 0), np.float32)  # one-row and verify passes reuse it
+
+    def arrays(self, d) -> tuple | None:
+        """(the core's layer stack, embedding (V, D), cos and sin tables (at least max_length
+        rows), keys, values) where a pass runs wholly in the core, else None. Kept while the
+        packing and the embedding stay the same objects."""
+        m, cache = d.model, d.cache
+        if d.step is not None or not runs_in_core(m, cache):
+            return None
+        packed, embed = m.packed_weights(), m.embed.weight
+        if self._arrays is None or self._arrays[0] is not packed or self._arrays[1] is not embed:
+            cos, sin = m.rope(d.max_length)
+            stack = core_stack(m, packed)
+            keys, values = cache.k.numpy(), cache.v.numpy()
+            arrays = (stack, embed.detach().numpy(), cos.numpy(), sin.numpy(), keys, values)
+            self._arrays = (packed, embed, arrays)
+        return self._arrays[2]
+
+    def greedy(self, d, ids, stack, embed, cos, sin, k, v) -> torch.Tensor:
+        """ids (T,) -> the argmax id of each row (T,); appends T tokens to decoder d."""
+        m, pos = d.model, d.cache.length
+        check_ids(ids, m.device, m.vocab_size, pos, d.max_length)
+        rows, T = ids.numpy(), ids.shape[0]
+        if T > INT8_SERIAL_ROWS:  # a prefill's logits: not worth keeping
+            logits = np.empty((T, embed.shape[0]), np.float32)
+        else:
+            if self._logits.shape[0] < T:
+                self._logits = np.empty((T, embed.shape[0]), np.float32)
+            logits = self._logits[:T]
+        x = embed[rows]  # (T, D): a copy, which the core turns into the last hidden states
+        stack.forward(x, cos[pos : pos + T], sin[pos : pos + T], k, v, pos, logits=logits)
+        d.cache.length = pos + T
+        return argmax_array(logits)
