@@ -32,7 +32,7 @@ import sys
 import sysconfig
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from specfast.bench import workloads
+from specfast.eagle.prompts import CODE_MODULES, CODE_TASKS, QUESTIONS, QUOTE_TASKS
 from specfast.generate import generate, render_chat
 from specfast.targets.torch.model import linear
 
@@ -52,187 +53,6 @@ HUMANEVAL_STRIDE = 16  # workloads.complete_workloads takes problems [::16]
 
 def humaneval_held_out(task_id: str) -> bool:
     return int(task_id.rsplit("/", 1)[1]) % HUMANEVAL_STRIDE == 0
-
-
-# Pure-Python stdlib modules to draw code from (none of HELD_OUT_MODULES).
-CODE_MODULES = (
-    "argparse", "ast", "bisect", "calendar", "cmd", "codecs", "configparser", "contextlib",
-    "copy", "csv", "dataclasses", "datetime", "enum", "filecmp", "fileinput", "fractions",
-    "ftplib", "functools", "genericpath", "gettext", "glob", "graphlib", "gzip", "hmac",
-    "imaplib", "inspect", "ipaddress", "json.decoder", "json.encoder", "linecache", "locale",
-    "mailbox", "mimetypes", "netrc", "numbers", "operator", "optparse", "pathlib", "pickle",
-    "platform", "plistlib", "poplib", "posixpath", "pprint", "pstats", "pyclbr", "queue",
-    "quopri", "random", "reprlib", "sched", "selectors", "shutil", "smtplib", "socketserver",
-    "subprocess", "tarfile", "tempfile", "threading", "timeit", "tokenize", "trace",
-    "traceback", "types", "typing", "urllib.parse", "uuid", "warnings", "wave", "weakref",
-    "zipfile", "email.utils", "http.cookies", "logging", "collections", "_pydecimal",
-    "ntpath", "keyword", "runpy", "tabnanny", "zipapp", "secrets", "sre_parse", "dis",
-)  # fmt: skip
-
-# Hand-written chat questions (none of workloads.OPEN_QUESTIONS).
-QUESTIONS = (
-    "What causes the seasons on Earth?",
-    "How does a refrigerator keep food cold?",
-    "Explain what inflation is and why it happens.",
-    "Give me five tips for sleeping better.",
-    "What is the difference between weather and climate?",
-    "How do vaccines train the immune system?",
-    "Write a short poem about autumn leaves.",
-    "What are the main causes of the French Revolution?",
-    "How do I make a simple tomato sauce?",
-    "Explain the difference between a list and a tuple in Python.",
-    "What is a black hole?",
-    "Why do we have leap years?",
-    "Describe how a bill becomes a law in a parliament.",
-    "What should I pack for a three-day hiking trip?",
-    "How does photosynthesis work?",
-    "Write a polite email asking a colleague to review my report.",
-    "What is the Pythagorean theorem and how is it used?",
-    "Explain recursion with a simple example.",
-    "What are some good habits for saving money?",
-    "Why is the ocean salty?",
-    "Summarise the plot of a typical detective story.",
-    "How do airplanes stay in the air?",
-    "What is machine learning, in simple terms?",
-    "List the planets of the solar system in order from the Sun.",
-    "How can I become a better public speaker?",
-    "What is the difference between a virus and a bacterium?",
-    "Explain how a hash table works.",
-    "Write a haiku about the sea.",
-    "What were the main achievements of the Roman Empire?",
-    "How do I start running if I have never exercised?",
-    "What is the greenhouse effect?",
-    "Explain what an API is to a non-programmer.",
-    "Give three arguments for and against school uniforms.",
-    "How do earthquakes happen?",
-    "What does a project manager do?",
-    "Describe the water cycle.",
-    "How do I write a good cover letter?",
-    "What is the difference between RAM and storage?",
-    "Why do leaves change colour in the fall?",
-    "Tell me a short fable with a moral.",
-    "How does compound interest work?",
-    "What are prime numbers? Give some examples.",
-    "Explain the rules of chess briefly.",
-    "What is democracy?",
-    "How do bees make honey?",
-    "Write a short dialogue between a cat and a dog.",
-    "What are the benefits of learning to play a musical instrument?",
-    "How does the internet send data from one computer to another?",
-    "What is the speed of light and why does it matter?",
-    "Give me a recipe for pancakes.",
-    "Explain the difference between mean, median and mode.",
-    "What is a good way to organise my week?",
-    "Why do we dream?",
-    "How do electric cars work?",
-    "Describe the life cycle of a butterfly.",
-    "What is object-oriented programming?",
-    "Write a limerick about a forgetful wizard.",
-    "What caused the extinction of the dinosaurs?",
-    "How can I reduce stress at work?",
-    "Explain what a function is in mathematics.",
-    "What are the main parts of a cell?",
-    "How do I care for a houseplant?",
-    "What is the difference between a comet and an asteroid?",
-    "Write a thank-you note to a teacher.",
-    "How do solar panels produce electricity?",
-    "What is the role of the heart in the human body?",
-    "Explain version control and why programmers use git.",
-    "What is the tallest mountain in the world and how was it measured?",
-    "Give me ideas for a birthday party for a seven-year-old.",
-    "Why is exercise good for the brain?",
-    "How does a computer store numbers?",
-    "What is the difference between an opinion and a fact?",
-    "Write a short science fiction story opening.",
-    "What are renewable energy sources?",
-    "How do I prepare for a job interview?",
-    "Explain what DNA is.",
-    "What is the capital of Australia, and why was it chosen?",
-    "How do you calculate the area of a circle?",
-    "What is a sorting algorithm? Describe bubble sort.",
-    "Why do cats purr?",
-    "What are the pros and cons of working from home?",
-    "Explain supply and demand.",
-    "How does a microwave oven heat food?",
-    "Write a motivational message for someone starting a new job.",
-    "What is the difference between a simile and a metaphor?",
-    "How were the pyramids of Egypt built?",
-    "What does a compiler do?",
-    "Suggest five books for someone who likes adventure stories.",
-    "How does the human eye see colour?",
-    "What is gravity?",
-    "Explain how to make a cup of tea properly.",
-    "What are the stages of grief?",
-    "How do I write a for loop in Python?",
-    "What is the difference between a lake and a sea?",
-    "Describe a typical day of a medieval farmer.",
-    "How do noise-cancelling headphones work?",
-    "What is the purpose of the United Nations?",
-    "Write a short bedtime story about a sleepy dragon.",
-    "What are the health benefits of drinking water?",
-    "Explain the concept of time zones.",
-    "What is a neural network?",
-    "How can I learn to cook on a budget?",
-    "Why do some animals hibernate?",
-    "What is the difference between HTTP and HTTPS?",
-    "Give me a workout plan for beginners.",
-    "What is photosynthesis' role in the food chain?",
-    "Describe the taste of a lemon to someone who has never had one.",
-    "How do tides work?",
-    "Explain what a database index is.",
-    "What makes a good team leader?",
-    "Write a product description for a reusable water bottle.",
-    "What is the history of the printing press?",
-    "How does a thermostat work?",
-    "What are the symptoms of dehydration?",
-    "Explain big-O notation with examples.",
-    "What is the difference between a republic and a monarchy?",
-    "How do I politely decline an invitation?",
-    "Why do stars twinkle?",
-    "What is a budget and how do I make one?",
-    "Describe how rain forms.",
-    "Write a short speech for a friend's wedding.",
-    "How does memory work in the human brain?",
-    "What is the difference between a stack and a queue?",
-    "What should I know before adopting a dog?",
-    "Explain how vaccines are tested for safety.",
-    "What is an ecosystem?",
-    "How can I improve my handwriting?",
-    "Why is biodiversity important?",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "How do I read a file line by line in Python?",
-    "Write a function that counts the words in a sentence.",
-    "How do I sort a dictionary by its values in Python?",
-    "Write a short SQL query that finds the ten most recent orders.",
-    "What is a decorator in Python? Show an example.",
-    "Explain list comprehensions in Python with examples.",
-    "Write a function that merges two sorted lists.",
-    "How do I handle exceptions in Python?",
-    "Write a class representing a bank account with deposit and withdraw methods.",
-    "What does the `with` statement do in Python?",
-    "Write a function that removes duplicates from a list while keeping the order.",
-    "How do I make an HTTP request in Python?",
-    "Write a function that converts Celsius to Fahrenheit.",
-    "Explain the difference between `==` and `is` in Python.",
-)
-
-CODE_TASKS = (
-    "Explain what this function does, step by step.",
-    "Add a docstring to it that describes its arguments and return value.",
-    "Add type hints to its parameters and return value. Reply with the complete function.",
-    "Rewrite it to be shorter and easier to read, keeping its behaviour.",
-    "Write three unit tests for it with pytest.",
-    "Rename its local variables to be more descriptive. Reply with the complete function.",
-    "Point out any edge cases it does not handle.",
-)
-
-QUOTE_TASKS = (
-    "Summarise it in plain modern English.",
-    "Quote its first four lines, then explain what the speaker means.",
-    "What is the speaker feeling here? Quote the lines that show it.",
-    "Rewrite it as a short modern prose paragraph.",
-)
 
 
 @dataclass(frozen=True)
@@ -426,9 +246,9 @@ def answer_prompts(
     """Greedy answers of the target to `prompts`, in order.
 
     engine "specfast": specfast.generate with the n-gram drafter, one prompt at a time;
-    "batched": `batch_size` prompts decoded together (batched_greedy), the fastest on this CPU
-    (about 2.3x "specfast" on one shared core); "hf": transformers' batched generate through
-    hf_twin (12-22 tok/s here, slower than "specfast"; it may pay on a GPU).
+    "batched": `batch_size` prompts decoded together (batched_greedy), the fastest on a CPU;
+    "hf": transformers' batched generate through hf_twin (slower than "specfast" on a CPU; it
+    may pay on a GPU). docs/eagle.md has the rates.
     Appends one JSON line per prompt to `out_path` ({"name", "kind", "prompt_ids",
     "answer_ids"}) and skips prompts already there, so an interrupted run continues.
     """
@@ -626,7 +446,8 @@ def capture(
     out_dir.mkdir(parents=True, exist_ok=True)
     shard = len(list(out_dir.glob("shard_*.safetensors")))
     buf: dict[str, list] = {"tokens": [], "features": [], "normed": [], "argmax": []}
-    offsets, names, total, t0 = [0], [], 0, time.perf_counter()
+    offsets, total, t0 = [0], 0, time.perf_counter()
+    names: list[str] = []
 
     def flush():
         nonlocal shard, offsets, names
@@ -669,7 +490,7 @@ def answer_documents(records: list[dict], max_tokens: int) -> Iterator[tuple[str
         yield r["name"], ids[-max_tokens:]
 
 
-def interleave(*streams: Iterator) -> Iterator:
+def interleave(*streams: Iterable) -> Iterator:
     """Items from each stream in turn (round robin), until all are exhausted."""
     its = [iter(s) for s in streams]
     while its:

@@ -26,164 +26,27 @@ from __future__ import annotations
 import json
 import types
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specfast.eagle.config import EagleConfig
+from specfast.formats.gguf import llama_embedding
 from specfast.targets import as_target
 from specfast.targets.base import EagleFacts, default_aux_layers
 from specfast.targets.torch.int8 import core_linear, quantize
 from specfast.targets.torch.model import (
     HAS_MKLDNN_LINEAR,
-    Model,
     linear,
     resolve_dtype,
     rope_inv_freq,
 )
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
 PICKLES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth", "pytorch_model.pt")
 DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct"
-
-
-# ----------------------------------------------------------------------------
-# config
-
-
-@dataclass
-class EagleConfig:
-    """config.json of an EAGLE-3 head (SpecForge / vLLM names in `from_dict` / `to_dict`)."""
-
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    target_hidden_size: int | None = None  # None: hidden_size
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    aux_layers: tuple[int, ...] | None = None  # None: (2, L // 2, L - 3) of the target
-    extra: dict = field(default_factory=dict, repr=False)  # other config.json keys, kept
-
-    def __post_init__(self):
-        if self.target_hidden_size is None:
-            self.target_hidden_size = self.hidden_size
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
-        names = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-        names += ("intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size")
-        for name in (*names, "max_position_embeddings"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"EAGLE config: {name} must be a positive int, got {v!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"EAGLE config: num_attention_heads ({self.num_attention_heads}) must be a "
-                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"EAGLE config: head_dim must be even for RoPE, got {self.head_dim}")
-        if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(
-                f"EAGLE config: draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size "
-                f"({self.vocab_size})"
-            )
-        if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
-            raise ValueError("EAGLE config: rope_theta and rms_norm_eps must be positive")
-        if self.aux_layers is not None:
-            ids = self.aux_layers
-            if not isinstance(ids, (list, tuple)) or len(ids) != 3:
-                raise ValueError(f"EAGLE config: 3 aux layer ids expected, got {ids!r}")
-            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-                raise ValueError(f"EAGLE config: aux layer ids must be ints >= 0, got {ids!r}")
-            self.aux_layers = tuple(ids)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> EagleConfig:
-        if not isinstance(d, dict):
-            raise ValueError(f"EAGLE config must be a JSON object, got {type(d).__name__}")
-        known = {
-            "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "vocab_size", "draft_vocab_size", "target_hidden_size", "head_dim", "rms_norm_eps",
-            "rope_theta", "rope_scaling", "max_position_embeddings",
-        }  # fmt: skip
-        missing = [k for k in ("hidden_size", "num_attention_heads", "vocab_size") if k not in d]
-        if missing:
-            raise ValueError(f"EAGLE config.json lacks {missing}")
-        kw = {k: d[k] for k in known if d.get(k) is not None}
-        kw.setdefault("num_key_value_heads", d["num_attention_heads"])
-        kw.setdefault("intermediate_size", 4 * d["hidden_size"])
-        kw.setdefault("draft_vocab_size", d["vocab_size"])
-        eagle = d.get("eagle_config") or {}
-        aux = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(
-                f"EAGLE config: only hidden_act 'silu' is supported, got {d['hidden_act']!r}"
-            )
-        if d.get("num_hidden_layers", 1) != 1:
-            raise ValueError(
-                f"EAGLE config: num_hidden_layers must be 1, got {d['num_hidden_layers']!r}"
-            )
-        extra = {k: v for k, v in d.items() if k not in known}
-        return cls(**kw, aux_layers=aux, extra=extra)
-
-    def to_dict(self) -> dict:
-        d = dict(self.extra)
-        d.update(
-            architectures=[ARCHITECTURE],
-            model_type="llama",
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            intermediate_size=self.intermediate_size,
-            hidden_act="silu",
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
-            max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.vocab_size,
-            draft_vocab_size=self.draft_vocab_size,
-            target_hidden_size=self.target_hidden_size,
-            num_hidden_layers=1,
-            tie_word_embeddings=False,
-        )
-        if self.aux_layers is not None:
-            eagle = dict(d.get("eagle_config") or {})
-            eagle["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layers)
-            d["eagle_config"] = eagle
-        return d
-
-    @classmethod
-    def for_target(cls, target: Model, draft_vocab_size: int | None = None, **kw) -> EagleConfig:
-        """A head shaped like the target's layers (hidden size, heads, RoPE), as SpecForge's
-        configs are; keyword arguments override."""
-        c = target.config
-        base = dict(
-            hidden_size=c.dim,
-            num_attention_heads=c.n_heads,
-            num_key_value_heads=c.n_kv_heads,
-            head_dim=c.head_dim,
-            intermediate_size=c.intermediate_size,
-            vocab_size=c.vocab_size,
-            draft_vocab_size=draft_vocab_size or c.vocab_size,
-            target_hidden_size=c.dim,
-            rms_norm_eps=c.norm_eps,
-            rope_theta=c.rope_theta,
-            rope_scaling=c.rope_scaling,
-            max_position_embeddings=c.max_context,
-            aux_layers=default_aux_layers(c.n_layers),
-        )
-        base.update(kw)
-        return cls(**base)
 
 
 # ----------------------------------------------------------------------------
@@ -209,6 +72,42 @@ class RMSNorm(nn.Module):
 _FAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+class Attention(nn.Module):
+    """The head's attention projections (SpecForge's `self_attn`): q, k, v read 2H inputs."""
+
+    def __init__(self, c: EagleConfig):
+        super().__init__()
+        H, hd = c.hidden_size, c.head_dim
+        self.q_proj = nn.Linear(2 * H, c.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, c.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, c.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * hd, H, bias=False)
+
+
+class MLP(nn.Module):
+    """The head's gated MLP (SpecForge's `mlp`)."""
+
+    def __init__(self, c: EagleConfig):
+        super().__init__()
+        H, F = c.hidden_size, c.intermediate_size
+        self.gate_proj = nn.Linear(H, F, bias=False)
+        self.up_proj = nn.Linear(H, F, bias=False)
+        self.down_proj = nn.Linear(F, H, bias=False)
+
+
+class MidLayer(nn.Module):
+    """The head's one layer (SpecForge's `midlayer`): its norms, attention and MLP."""
+
+    def __init__(self, c: EagleConfig):
+        super().__init__()
+        H = c.hidden_size
+        self.input_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+
+
 class EagleHead(nn.Module):
     """An EAGLE-3 head. `embed_tokens` is its own only when the file has one; otherwise the
     target's embedding is used (`bind_embedding`). `aux_layers` says which target layers feed it.
@@ -216,24 +115,15 @@ class EagleHead(nn.Module):
     Buffers: d2t (Vd,) int64 and t2d (V,) bool, as SpecForge. `target_ids` (Vd,) = arange + d2t.
     """
 
+    d2t: torch.Tensor  # buffers (register_buffer)
+    t2d: torch.Tensor
+
     def __init__(self, config: EagleConfig, own_embedding: bool = False):
         super().__init__()
         c = self.config = config
-        H, hd, Vd = c.hidden_size, c.head_dim, c.draft_vocab_size
+        H, Vd = c.hidden_size, c.draft_vocab_size
         self.fc = nn.Linear(3 * c.target_hidden_size, H, bias=False)
-        mid = self.midlayer = nn.Module()
-        mid.input_layernorm = RMSNorm(H, c.rms_norm_eps)
-        mid.hidden_norm = RMSNorm(H, c.rms_norm_eps)
-        mid.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
-        attn = mid.self_attn = nn.Module()
-        attn.q_proj = nn.Linear(2 * H, c.num_attention_heads * hd, bias=False)
-        attn.k_proj = nn.Linear(2 * H, c.num_key_value_heads * hd, bias=False)
-        attn.v_proj = nn.Linear(2 * H, c.num_key_value_heads * hd, bias=False)
-        attn.o_proj = nn.Linear(c.num_attention_heads * hd, H, bias=False)
-        mlp = mid.mlp = nn.Module()
-        mlp.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
-        mlp.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
-        mlp.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+        self.midlayer = MidLayer(c)
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
@@ -296,7 +186,7 @@ class EagleHead(nn.Module):
             # use them too; float32, then cast, as the target's tables are.
             with torch.inference_mode(False):
                 pos = torch.arange(n, dtype=torch.float64)
-                freqs = torch.outer(pos, rope_inv_freq(spec)).float()
+                freqs = torch.outer(pos, rope_inv_freq(spec)).float()  # type: ignore[arg-type]
                 emb = torch.cat([freqs, freqs], dim=-1)  # (n, hd), rotate-half layout
                 cached = (emb.cos().to(*key), emb.sin().to(*key))
             self._rope[key] = cached
@@ -304,7 +194,7 @@ class EagleHead(nn.Module):
 
     def fast_linears(self, int8: bool = False) -> FastLinears:
         """Drafting's copy of the matrices (FastLinears), made once for these weights on CPU: a
-        new generate() call or Session reuses it (quantizing or prepacking costs 20-25 ms)."""
+        new generate() call or Session reuses it (quantizing or prepacking is not free)."""
         w = self.fc.weight
         if w.device.type != "cpu":  # no quantizing or prepacking there: the copy is cheap
             return FastLinears(self, int8)
@@ -415,8 +305,8 @@ class FastLinears:
     """The head's matrices for drafting: q/k/v and gate/up fused (fewer ops per step), and on
     CPU oneDNN-prepacked as the target's are (model.packed_weights says why; for a head of
     SmolLM2's size a packed and a plain step cost about the same), or with `int8` in the core's
-    int8 kernel, as a target with int8 or q4 weights runs: a float32 head step of SmolLM2's
-    shape took 1.6 ms there, a fifth of the q4 target's pass. A copy (EagleHead.fast_linears
+    int8 kernel, as a target with int8 or q4 weights runs (a float32 head step would cost a
+    large share of such a target's pass). A copy (EagleHead.fast_linears
     keeps one per head's weights on CPU); the head's own weights stay what training and saving
     use."""
 
@@ -567,10 +457,10 @@ def load_eagle(path=None, target=None, dtype=None) -> EagleHead:
     head = head_from_tensors(config, tensors, target, where=str(weights))
     facts = eagle_target(target) if target is not None else None
     if dtype is not None or facts is not None:
-        dtype = resolve_dtype(dtype) if dtype is not None else facts.dtype
+        dtype = resolve_dtype(dtype) if dtype is not None or facts is None else facts.dtype
         head = head.to(dtype=dtype)
         if facts is not None and head.embed_tokens is None:
-            head.bind_embedding(facts.embedding(dtype))  # a Llama's, in the head's dtype
+            head.bind_embedding(target_embedding(facts, dtype))  # a Llama's, in its dtype
     return head.to(facts.device) if facts is not None else head
 
 
@@ -600,7 +490,7 @@ def head_from_tensors(config: EagleConfig, tensors: dict, target=None, where="")
         for k, w in want.items():
             w.copy_(tensors[k].to(w.dtype))
     if facts is not None and not own_embedding:
-        head.bind_embedding(facts.embedding(facts.dtype))
+        head.bind_embedding(target_embedding(facts, facts.dtype))
     return head.requires_grad_(False)
 
 
@@ -608,7 +498,18 @@ def eagle_target(target) -> EagleFacts:
     """What an EAGLE head needs of `target` (anything as_target takes): a specfast Model, or a
     llama_cpp.Llama whose llama.cpp returns per-layer inputs; the error says why any other
     cannot feed one."""
-    return as_target(target).eagle_facts()
+    facts = as_target(target).eagle_facts()
+    if facts.embedding is None:
+        source = facts.embedding_from
+        facts.embedding = lambda dtype: llama_embedding(source, dtype)
+    return facts
+
+
+def target_embedding(facts: EagleFacts, dtype: torch.dtype) -> torch.Tensor:
+    """The target's token embedding (V, D) in `dtype`, from facts eagle_target made."""
+    if facts.embedding is None:
+        raise ValueError("the target gives no token embedding for the EAGLE head")
+    return facts.embedding(dtype)
 
 
 def check_config_for_target(config: EagleConfig, target: EagleFacts) -> None:

@@ -28,13 +28,10 @@ import torch
 from torch import nn
 
 from specfast.bench import workloads
-from specfast.eagle import data as ed
 from specfast.eagle.data import target_features
 from specfast.eagle.head import EagleConfig, EagleHead, head_from_tensors, save_eagle
-from specfast.formats import load_model
 from specfast.generate import generate
 from specfast.hardware import cpu_has_native_bf16
-from specfast.targets.base import default_aux_layers
 
 # ---------------------------------------------------------------------------- the head
 
@@ -304,7 +301,7 @@ def held_out_acceptance(
     first = next(iter(heads.values()))
     aux = first.config.aux_layers
     embed = target.embed.weight.detach().float()
-    rounds = {n: {kind: {k: [] for k in k_values} for kind in kinds} for n in heads}
+    rounds: dict = {n: {kind: {k: [] for k in k_values} for kind in kinds} for n in heads}
     for kind in kinds:
         for w in workloads.build_workloads([kind], per_kind):
             prompt = target.tokenizer.encode(w.render(target.chat_template)).ids
@@ -346,7 +343,7 @@ class TrainConfig:
     draft_vocab_size: int = 4096
     seed: int = 0
     # Autocast the matrix products to bf16 (float32 master weights). None: on CUDA, and on a
-    # CPU with native bf16; elsewhere torch emulates it, and a step ran 24x slower than float32.
+    # CPU with native bf16; elsewhere torch emulates it, far slower than float32.
     bf16: bool | None = None
     eval_every: int = 100
     eval_docs: int = 32
@@ -504,12 +501,14 @@ def train(
     # A fresh timed run fits its schedule to the time after FIT_STEPS steps (the first one
     # timed apart: it warms allocators and kernels).
     fit_at = start + FIT_STEPS if max_minutes is not None and not resume else None
-    t_fit = None
+    t_fit = time.perf_counter()  # set again at the first step
     for step in range(start, end):
         for gr in opt.param_groups:
             gr["lr"] = lr_at(cfg, step, schedule)
         opt.zero_grad(set_to_none=True)
-        docs, stats, loss_sum = [], None, 0.0
+        docs: list[int] = []
+        stats: dict | None = None  # merge_stats starts from the first doc's
+        loss_sum = 0.0
         for j in range(cfg.docs_per_step):
             k = step * cfg.docs_per_step + j
             docs.append(train_docs[doc_order(n_train, cfg.seed, k // n_train)[k % n_train]])
@@ -523,6 +522,7 @@ def train(
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         seen += n_pos
+        assert stats is not None  # docs_per_step >= 1
         window = merge_stats(window, {**stats, "loss": loss_sum})
         summ = summary(window)
         bar.update(
@@ -533,7 +533,7 @@ def train(
         )
         if step == start:
             t_fit = time.perf_counter()
-        if fit_at is not None and step + 1 == fit_at and fit_at < end:
+        if fit_at is not None and max_minutes is not None and step + 1 == fit_at < end:
             per_step = (time.perf_counter() - t_fit) / (FIT_STEPS - 1)
             left = 60 * max_minutes - (time.perf_counter() - t0)
             fitted = max(step + 2, step + 1 + int(FIT_MARGIN * left / per_step))
@@ -616,148 +616,3 @@ def save_head(head: EagleHead, folder: Path) -> None:
     """config.json + model.safetensors through specfast.eagle.head.save_eagle: SpecForge's names,
     matrices and norms in bf16, d2t int64, t2d bool, no embedding (shared with the target)."""
     save_eagle(to_eagle_head(head), folder, dtype="bfloat16")
-
-
-# ---------------------------------------------------------------------------- the whole job
-
-
-def _capped(docs, max_tokens: int):
-    total = 0
-    for name, ids in docs:
-        if total >= max_tokens:
-            return
-        total += len(ids)
-        yield name, ids
-
-
-def make_data(
-    target,
-    data_dir: Path,
-    aux_layers,
-    max_len: int = 512,
-    max_new_tokens: int = 256,
-    batch_size: int = 16,
-    max_prompts: int | None = None,
-    prompt_scale: float = 1.0,
-    corpus_tokens: int = 200_000,
-    seed: int = 0,
-    log=sys.stderr,
-) -> dict:
-    """Answers (data_dir/answers.jsonl, resumable) then one capture pass (data_dir/captured,
-    redone from scratch unless complete). Returns the data record (captured/done.json)."""
-    captured = data_dir / "captured"
-    done = captured / "done.json"
-    if done.is_file():
-        return json.loads(done.read_text())
-    data_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    prompts = ed.training_prompts(target.chat_template, seed=seed, scale=prompt_scale)
-    prompts = prompts[:max_prompts]
-    records = ed.answer_prompts(
-        target, prompts, data_dir / "answers.jsonl", max_new_tokens, batch_size, "batched", log
-    )
-    t_answers = time.perf_counter() - t0
-    for f in captured.glob("shard_*"):
-        f.unlink()  # a capture that did not finish: start it again
-    answers = list(ed.answer_documents(records, max_len))
-    corpus = list(_capped(ed.corpus_documents(target.tokenizer, max_len, seed), corpus_tokens))
-    t1 = time.perf_counter()
-    positions = ed.capture(target, ed.interleave(answers, corpus), captured, aux_layers, log=log)
-    record = {
-        "prompts": len(records),
-        "answer_tokens": sum(len(r["answer_ids"]) for r in records),
-        "answer_doc_tokens": sum(len(ids) for _, ids in answers),
-        "corpus_docs": len(corpus),
-        "corpus_tokens": sum(len(ids) for _, ids in corpus),
-        "positions": positions,
-        "prompt_kinds": {
-            k: sum(r["kind"] == k for r in records) for k in sorted({r["kind"] for r in records})
-        },
-        "answer_seconds": round(t_answers, 1),
-        "capture_seconds": round(time.perf_counter() - t1, 1),
-        "target_dtype": str(target.dtype).removeprefix("torch."),
-        "max_len": max_len,
-        "max_new_tokens": max_new_tokens,
-        "aux_layers": list(aux_layers),
-    }
-    done.write_text(json.dumps(record, indent=1))
-    return record
-
-
-def train_eagle(
-    target_path,
-    out_dir: Path,
-    cfg: TrainConfig,
-    data_dir: Path | None = None,
-    dtype: str = "auto",
-    resume: bool = False,
-    log=sys.stderr,
-    command: str | None = None,
-    max_minutes: float | None = None,
-    device: str = "cpu",
-    **data_options,
-) -> EagleHead:
-    """`specfast train-eagle`: the target answers the training prompts, one forward per
-    document captures its features and distributions, then the head trains; the head lands
-    in out_dir (SpecForge layout) with curve.json and the data record. On `device` ("cuda":
-    every stage there, the captured shards on disk in the target's dtype)."""
-    target = load_model(target_path, dtype=dtype, compile="off", device=device)
-    aux = default_aux_layers(target.config.n_layers)
-    data_dir = data_dir or out_dir / "data"
-    record = make_data(target, data_dir, aux, seed=cfg.seed, log=log, **data_options)
-    print(f"data: {json.dumps(record)}", file=log, flush=True)
-    t0 = time.perf_counter()
-    head = train(
-        target, data_dir / "captured", out_dir, cfg, aux, resume=resume, log=log,
-        max_minutes=max_minutes,
-    )  # fmt: skip
-    command = " ".join(["specfast", *sys.argv[1:]]) if command is None else command
-    write_record(out_dir, record, cfg, time.perf_counter() - t0, command)
-    return head
-
-
-def write_record(out_dir: Path, record: dict, cfg: TrainConfig, seconds: float, command: str):
-    """training.json (everything) and TRAINING.md (the table a reader wants) next to the head."""
-    curve = (
-        json.loads((out_dir / "curve.json").read_text())
-        if (out_dir / "curve.json").is_file()
-        else []
-    )
-    last = curve[-1] if curve else {}
-    seconds = last.get("seconds", seconds)  # counts every resumed leg
-    info = {
-        "command": command,
-        "data": record,
-        "train": asdict(cfg),
-        "train_seconds": round(seconds, 1),
-        "trained_positions": last.get("tokens", 0),
-        "curve": curve,
-    }
-    (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
-    lines = [
-        "# How this head was trained",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"- data: {record.get('prompts', 0)} prompts answered by the target "
-        f"({record.get('answer_tokens', 0)} answer tokens), {record.get('corpus_tokens', 0)} "
-        f"corpus tokens teacher-forced; {record.get('positions', 0)} captured positions "
-        f"(target dtype {record.get('target_dtype')}, aux layers {record.get('aux_layers')})",
-        f"- training: {last.get('step', cfg.steps)} steps x {cfg.docs_per_step} documents, "
-        f"TTT steps {cfg.ttt_steps}, lr {cfg.lr}, draft vocabulary {cfg.draft_vocab_size}, "
-        f"seed {cfg.seed}; "
-        f"{last.get('tokens', 0)} positions trained in {seconds / 60:.1f} min",
-        "",
-        "tau is 1 + the mean run of steps whose top-1 agrees with the target's (an estimate of",
-        "the mean acceptance length at k = TTT steps, greedy), on held-out captured documents.",
-        "",
-        "| step | positions trained | val loss | val top-1 agreement per step | val tau |",
-        "|---:|---:|---:|---|---:|",
-    ]
-    for p in curve:
-        acc = ", ".join(f"{a:.3f}" for a in p.get("val_acc", []))
-        lines.append(
-            f"| {p['step']} | {p['tokens']} | {p.get('val_loss', '')} | {acc} | "
-            f"{p.get('val_tau', '')} |"
-        )
-    (out_dir / "TRAINING.md").write_text("\n".join(lines) + "\n")
