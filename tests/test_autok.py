@@ -139,7 +139,12 @@ def test_pass_costs_carry_over_between_calls_on_one_target():
 
 
 class Target:
-    """Any weakly referenceable object stands in for a model."""
+    """Any weakly referenceable object stands in for a model; as a Target it is its own
+    `source`, which the shared rates are keyed on."""
+
+    @property
+    def source(self):
+        return self
 
 
 def test_plain_steps_are_priced_at_their_measured_cost():

@@ -1,5 +1,6 @@
 """The Python face of the n-gram drafter: accepted inputs, results, and bad input."""
 
+import copy
 import random
 import threading
 
@@ -155,6 +156,44 @@ def test_corpus_and_reset() -> None:
     assert d.corpus_tokens == 6  # the corpus survives reset
     d.extend([10])
     assert d.propose(2) == [11, 12]
+
+
+def check_copy(copier) -> None:
+    """copier(d) has d's options, corpus and live sequence, and afterwards neither sees the
+    other's tokens."""
+    d = NgramDrafter(min_match=2, policy="recent", k_factor=2.0, max_corpus_tokens=1000)
+    d.add_document([10, 11, 12, 13, 14])
+    d.extend([1, 2, 3, 1, 2])
+    c = copier(d)
+    assert (c.min_match, c.policy, c.k_factor, c.max_corpus_tokens) == (2, "recent", 2.0, 1000)
+    assert len(c) == len(d) == 5 and c.corpus_tokens == d.corpus_tokens == 5
+    before = d.propose(8)
+    assert before[0] == 3 and c.propose(8) == before
+    c.extend([7, 8, 9, 7, 8])
+    assert c.propose(8)[0] == 9 and d.propose(8) == before and len(d) == 5
+    d.add_document([7, 8, 50])
+    assert c.corpus_tokens == 5
+    c.reset()
+    c.extend([11, 12])
+    assert c.propose(3) == [13, 14]  # the corpus came along
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy])
+def test_a_copy_is_equal_and_independent(copier) -> None:
+    check_copy(copier)  # copy.copy is Rust's Clone
+
+
+def _rebuilt_without_corpus(d):
+    new = NgramDrafter(min_match=d.min_match, policy=d.policy, k_factor=d.k_factor,
+                       max_corpus_tokens=d.max_corpus_tokens)  # fmt: skip
+    new.extend([1, 2, 3, 1, 2])
+    return new
+
+
+@pytest.mark.parametrize("wrong", [lambda d: d, _rebuilt_without_corpus])
+def test_negative_control_a_shared_or_corpusless_copy_is_caught(wrong) -> None:
+    with pytest.raises(AssertionError):
+        check_copy(wrong)
 
 
 def test_corpus_eviction() -> None:

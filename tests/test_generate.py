@@ -542,15 +542,15 @@ def proposals_outside(monkeypatch, draft_vocabulary) -> tuple[int, int]:
     target as its own draft; allowed = ids below `draft_vocabulary` plus tokens seen so far."""
     import specfast.drafters.model
 
-    real_propose = specfast.drafters.model.DraftModelDrafter.propose
+    real_draft = specfast.drafters.model.DraftModelDrafter.draft
     outside = []
 
-    def propose(self, k):
-        tokens = real_propose(self, k)
-        outside.extend(t for t in tokens if t >= 16 and t not in self.committed)
-        return tokens
+    def draft(self, k):
+        proposal = real_draft(self, k)
+        outside.extend(t for t in proposal.tokens if t >= 16 and t not in self.committed)
+        return proposal
 
-    monkeypatch.setattr(specfast.drafters.model.DraftModelDrafter, "propose", propose)
+    monkeypatch.setattr(specfast.drafters.model.DraftModelDrafter, "draft", draft)
     target = tiny("llama-gqa-untied", seed=0)
     prompt = prompt_for(target)
     out = specfast.generate(

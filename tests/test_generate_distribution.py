@@ -204,7 +204,7 @@ def test_joint_with_a_draft_model_is_exact(model, draft_model, exact_joint_top_k
 
 
 def sample_filtered_report_unfiltered(self, logits):
-    """A known-wrong DraftModelDrafter._step, the bug of transformers #32867: sample from the
+    """A known-wrong DraftModelDrafter._choose, the bug of transformers #32867: sample from the
     filtered q, put the raw one in the ratio."""
     q = specfast.logits_to_probs(logits, **self.sampling)
     token = torch.multinomial(q, 1, generator=self.generator)[0]
@@ -217,7 +217,7 @@ def test_negative_control_q_from_unfiltered_logits_is_caught(
     import specfast.drafters.model
 
     monkeypatch.setattr(
-        specfast.drafters.model.DraftModelDrafter, "_step", sample_filtered_report_unfiltered
+        specfast.drafters.model.DraftModelDrafter, "_choose", sample_filtered_report_unfiltered
     )
     counts = sample_joint_with_draft(model, draft_model, N)
     assert chi2_pvalue(counts, exact_joint_top_k) < ALPHA
@@ -254,22 +254,21 @@ def test_negative_control_dropping_an_unsure_draft_is_caught(
     model, draft_model, exact_joint_top_k, monkeypatch
 ):
     import specfast.drafters.model
+    from specfast.drafters.base import Proposal
 
-    real_propose = specfast.drafters.model.DraftModelDrafter.propose
+    real_draft = specfast.drafters.model.DraftModelDrafter.draft
 
     def drop_unsure(self, k):
         # The bug: the round ends on an unsure draft *and throws that draft away*. Which
         # drafts reach the target then depends on the draft's own token, so q is no longer
         # the distribution the verified drafts came from.
-        tokens = real_propose(self, k)
-        if tokens and self.confidences and self.confidences[-1] < UNSURE:
-            tokens = tokens[:-1]
-            self.confidences = self.confidences[:-1]
-            if self.draft_probs is not None:
-                self.draft_probs = self.draft_probs[:-1]
-        return tokens
+        p = real_draft(self, k)
+        if p.tokens and p.confidences and p.confidences[-1] < UNSURE:
+            q = None if p.q is None else p.q[:-1]
+            return Proposal(p.tokens[:-1], q, p.evidence, p.confidences[:-1])
+        return p
 
-    monkeypatch.setattr(specfast.drafters.model.DraftModelDrafter, "propose", drop_unsure)
+    monkeypatch.setattr(specfast.drafters.model.DraftModelDrafter, "draft", drop_unsure)
     counts = sample_joint_stopping_early(model, draft_model, monkeypatch)
     assert chi2_pvalue(counts, exact_joint_top_k) < ALPHA
 
@@ -299,13 +298,13 @@ def test_joint_with_a_draft_of_part_of_the_vocabulary_is_exact(model, draft_mode
     import specfast.drafters.model
 
     rows = []
-    real_expand = specfast.drafters.model.DraftVocabulary.expand
+    real_scatter = specfast.drafters.model.DraftModelDrafter._scatter
 
-    def expand(self, q):
-        rows.append(len(self))
-        return real_expand(self, q)
+    def scatter(self, q, ids):
+        rows.append(q.shape[1])  # the draft vocabulary's size this round
+        return real_scatter(self, q, ids)
 
-    monkeypatch.setattr(specfast.drafters.model.DraftVocabulary, "expand", expand)
+    monkeypatch.setattr(specfast.drafters.model.DraftModelDrafter, "_scatter", scatter)
     counts = sample_joint_with_part_vocabulary(model, draft_model)
     assert min(rows) == 2 and max(rows) == V  # the subset was partial, then grew
     assert chi2_pvalue(counts, joint_top_k(model, GAPPY_PROMPT)) > ALPHA
@@ -314,13 +313,13 @@ def test_joint_with_a_draft_of_part_of_the_vocabulary_is_exact(model, draft_mode
 def test_negative_control_q_on_the_wrong_rows_is_caught(model, draft_model, monkeypatch):
     import specfast.drafters.model
 
-    def first_rows(self, q):
+    def first_rows(self, q, ids):
         # The bug: q's columns taken for tokens 0..S-1, as if the subset were the lowest ids.
-        full = q.new_zeros(q.shape[0], self.model.vocab_size)
+        full = q.new_zeros(q.shape[0], self.vocab_size)
         full[:, : q.shape[1]] = q
         return full
 
-    monkeypatch.setattr(specfast.drafters.model.DraftVocabulary, "expand", first_rows)
+    monkeypatch.setattr(specfast.drafters.model.DraftModelDrafter, "_scatter", first_rows)
     # A draft of token 2 then has q = 0 there: the acceptance core refuses it rather than
     # letting a wrong distribution through.
     with pytest.raises(ValueError, match="draft probability 0"):

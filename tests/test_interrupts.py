@@ -17,6 +17,7 @@ import torch
 import specfast
 from specfast import NgramDrafter
 from specfast.drafters.model import DraftModelDrafter
+from specfast.targets.torch.core import CoreGreedy
 from specfast.targets.torch.model import Decoder, Model, ModelConfig
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
@@ -120,11 +121,11 @@ class _Wrapped:
 def _patch_point(monkeypatch, point, n):
     """Makes `point` raise at its n-th call; returns the call counter."""
     if point == "verify":
-        # A pass goes through forward, or (a greedy pass that runs in the core) _core_greedy.
+        # A pass goes through forward, or (a greedy pass that runs in the core) CoreGreedy.
         wrapper, calls = _raise_on_call(n, Decoder.forward)
         monkeypatch.setattr(Decoder, "forward", wrapper)
-        core, _ = _raise_on_call(n, Decoder._core_greedy, calls)
-        monkeypatch.setattr(Decoder, "_core_greedy", core)
+        core, _ = _raise_on_call(n, CoreGreedy.greedy, calls)
+        monkeypatch.setattr(CoreGreedy, "greedy", core)
         return calls
     if point == "accept":
         # Patch the acceptance functions wherever specfast bound them, so the test follows the

@@ -368,7 +368,7 @@ def test_level2_negative_control_q_from_unfiltered_logits_is_caught(
     import specfast.drafters.model
 
     monkeypatch.setattr(
-        specfast.drafters.model.DraftModelDrafter, "_step", sample_filtered_report_unfiltered
+        specfast.drafters.model.DraftModelDrafter, "_choose", sample_filtered_report_unfiltered
     )
     counts = sample_joint(tiny, N, lambda: tiny_draft, num_speculative_tokens=2)
     assert pvalue(counts, exact_joint) < ALPHA

@@ -9,9 +9,10 @@ from typing import Any
 from specfast._core import NgramDrafter
 from specfast.autok import shared_match_rates, shared_pass_costs
 from specfast.drafters.base import Drafter, NoDraft
-from specfast.drafters.combined import CombinedDraft, CombinedDrafter
-from specfast.drafters.eagle import eagle_drafter
-from specfast.drafters.model import DraftModelDrafter, ModelDraft
+from specfast.drafters.chain import ChainDraft
+from specfast.drafters.combined import CombinedDrafter, NgramOrChain
+from specfast.drafters.eagle import EagleDraft, load_head
+from specfast.drafters.model import DraftModelDrafter
 from specfast.drafters.ngram import IndexDraft
 from specfast.eagle.head import EagleHead
 from specfast.targets import try_target
@@ -49,52 +50,52 @@ def _draft_model(drafter):
     if isinstance(drafter, CombinedDrafter):
         return drafter.model
     if isinstance(drafter, str):
-        return drafter if drafter.partition(":")[0] == "eagle" else None
+        return drafter if _is_eagle(drafter) else None
     return drafter if isinstance(drafter, EagleHead) or try_target(drafter) is not None else None
 
 
 def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids) -> Drafter:
     if drafter is None:
         return NoDraft()
-    if (
-        isinstance(drafter, EagleHead)
-        or (isinstance(drafter, str) and drafter.partition(":")[0] == "eagle")
-        or (isinstance(drafter, CombinedDrafter) and isinstance(drafter.model, EagleHead))
-    ):
-        return eagle_drafter(drafter, target, fixed_k, max_length)
-    if isinstance(drafter, str):
-        if drafter != "ngram":
-            raise ValueError(
-                f'drafter must be "ngram", "eagle", "eagle:PATH", None, an NgramDrafter, an '
-                f"EAGLE head or a model: {drafter!r}"
-            )
+    if isinstance(drafter, str) and drafter == "ngram":
         return IndexDraft(NgramDrafter(), fixed_k)
-    combined = isinstance(drafter, CombinedDrafter)
-    draft_target = try_target(drafter.model if combined else drafter)
-    if combined and draft_target is None:
-        raise TypeError(
-            "CombinedDrafter's draft must be a model or an EAGLE head, got "
-            f"{type(drafter.model).__name__}"
+    combined = drafter if isinstance(drafter, CombinedDrafter) else None
+    draft = combined.model if combined is not None else drafter
+    if isinstance(draft, EagleHead) or (isinstance(draft, str) and _is_eagle(draft)):
+        chain: ChainDraft = EagleDraft(load_head(draft, target), target, fixed_k, max_length)
+    elif isinstance(draft, str):
+        raise ValueError(
+            f'drafter must be "ngram", "eagle", "eagle:PATH", None, an NgramDrafter, an '
+            f"EAGLE head or a model: {drafter!r}"
         )
-    if draft_target is not None:
-        model_drafter = DraftModelDrafter(
+    elif (draft_target := try_target(draft)) is not None:
+        chain = DraftModelDrafter(
             draft_target,
             target=target,
+            fixed_k=fixed_k,
             max_length=max_length,
             seed=seed,
             vocabulary=vocabulary,
             eos_ids=eos_ids,
             **params,
         )
-        if combined:
-            drafter.bind(model_drafter)
-            return CombinedDraft(drafter, fixed_k)
-        return ModelDraft(model_drafter, fixed_k)
-    if all(hasattr(drafter, a) for a in ("propose", "observe", "start_turn", "rollback")):
+    elif combined is not None:
+        raise TypeError(
+            f"CombinedDrafter's draft must be a model or an EAGLE head, got {type(draft).__name__}"
+        )
+    elif all(hasattr(drafter, a) for a in ("propose", "observe", "start_turn", "rollback")):
         return drafter  # the drafter protocol itself (base.py): tests/test_custom_drafter.py
-    if hasattr(drafter, "propose") and hasattr(drafter, "extend"):
+    elif hasattr(drafter, "propose") and hasattr(drafter, "extend"):
         return IndexDraft(drafter, fixed_k)
-    raise TypeError(
-        'drafter must be "ngram", "eagle", None, an NgramDrafter, an EAGLE head or a draft '
-        f"model, got {type(drafter).__name__}"
-    )
+    else:
+        raise TypeError(
+            'drafter must be "ngram", "eagle", None, an NgramDrafter, an EAGLE head or a draft '
+            f"model, got {type(drafter).__name__}"
+        )
+    if combined is None:
+        return chain
+    return NgramOrChain(combined.ngram, chain, combined.min_match)
+
+
+def _is_eagle(name: str) -> bool:
+    return name.partition(":")[0] == "eagle"

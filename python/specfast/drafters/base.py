@@ -39,8 +39,6 @@ Adding a drafter is one class in a module of its own under drafters/ plus a line
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -135,20 +133,9 @@ def observe_model(auto: AutoK, proposal: Proposal, n_accepted: int, verify_secon
 
 
 def clone_ngram(old: NgramDrafter, ids: list[int]) -> NgramDrafter:
-    """A new NgramDrafter with `old`'s options and corpus documents, extended with `ids`."""
-    if old.corpus_tokens:  # save/load is the one exact way to copy the documents
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "fork.corpus")
-            old.save(path)
-            new = NgramDrafter.load(path)
-    else:
-        new = NgramDrafter(
-            min_match=old.min_match,
-            policy=old.policy,
-            k_factor=old.k_factor,
-            k_offset=old.k_offset,
-            max_corpus_tokens=old.max_corpus_tokens,
-        )
+    """A new NgramDrafter with `old`'s options and corpus documents, its live sequence `ids`."""
+    new = copy.copy(old)  # Rust's Clone: options, corpus and live index
+    new.reset()
     new.extend(ids)
     return new
 
@@ -163,12 +150,3 @@ def copy_auto(auto: AutoK | None) -> AutoK | None:
 def feature_layers(drafter: Drafter) -> tuple[int, ...] | None:
     """The target layers whose features the round must return for this drafter, or None."""
     return tuple(drafter.feature_layers) if getattr(drafter, "wants_features", False) else None
-
-
-def draft_probability(logits: torch.Tensor, q: torch.Tensor | None, token: torch.Tensor) -> float:
-    """The probability a draft gave `token`: from q when sampling, else softmax(logits) (1, V)
-    in float32."""
-    if q is not None:
-        return float(q[0, token])
-    row = logits[0].float()
-    return float(torch.exp(row[token] - torch.logsumexp(row, dim=0)))

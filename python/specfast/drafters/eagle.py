@@ -6,31 +6,22 @@ features of the rows the target kept; q is the head's filtered distribution mapp
 
 from __future__ import annotations
 
-import copy
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 import specfast.eagle.head as eagle_head
-from specfast.autok import AutoK
-from specfast.drafters.base import (
-    Base,
-    Proposal,
-    Verified,
-    clone_ngram,
-    copy_auto,
-    draft_probability,
-    observe_model,
-)
-from specfast.drafters.combined import CombinedDrafter
+from specfast.drafters.base import Verified
+from specfast.drafters.chain import ChainDraft
 from specfast.eagle.head import (
     EagleHead,
     check_config_for_target,
     eagle_target,
     load_eagle,
+    target_embedding,
 )
-from specfast.sampling import copy_generator, logits_to_probs
-from specfast.targets.base import Target, argmax_rows, to_device
+from specfast.targets.base import Target, to_device
 from specfast.targets.torch.kv_cache import KVCache
 
 # The most rows one catch-up feeds the head. Rows the head has not read pile up while it does
@@ -44,7 +35,7 @@ CATCH_UP = 32
 # the drafter
 
 
-class EagleDraft(Base):
+class EagleDraft(ChainDraft):
     """Drafts a chain with an EAGLE-3 head (generate(..., drafter=head)).
 
     The head's static KV cache holds positions [origin, fed) computed from the target's real
@@ -56,11 +47,8 @@ class EagleDraft(Base):
     Features wait until the head drafts: a call it never drafts in costs it nothing. Past
     CATCH_UP waiting rows the head's context restarts on the newest of them.
 
-    q (sampling): the head's draft-vocabulary logits filtered as the target's
-    (logits_to_probs), the draft sampled from that, and q scattered to target ids via d2t with
-    zeros elsewhere, so the acceptance rule sees the very distribution the draft came from.
-    Auto k: up to AutoK's `max_draft_k` steps, stopped by `keep_drafting` on the calibrated
-    probabilities the head gave its drafts, as a draft model's are.
+    q (sampling): the head's draft-vocabulary logits filtered as the target's, scattered to
+    target ids via d2t (the chain's `_row_ids`) with zeros elsewhere.
     """
 
     wants_features = True
@@ -69,21 +57,18 @@ class EagleDraft(Base):
         facts = eagle_target(target)
         check_config_for_target(head.config, facts)
         if head.embed_tokens is None and head._shared_embed is None:
-            head.bind_embedding(facts.embedding(head.fc.weight.dtype))
+            head.bind_embedding(target_embedding(facts, head.fc.weight.dtype))
+        w = head.fc.weight
+        c = head.config
+        super().__init__(fixed_k, w.device, c.vocab_size)
         self.head = head
         self.feature_layers: tuple[int, ...] = tuple(head.aux_layers or ())
-        self.fixed_k = fixed_k
-        self.auto = AutoK() if fixed_k is None else None
-        w = head.fc.weight
-        self.device = w.device
-        c = head.config
         self.cache = KVCache(1, c.num_key_value_heads, max_length, c.head_dim, w.device, w.dtype)
         head.rope(max_length)
         self.target_ids = head.target_ids.to(w.device)  # (Vd,)
         with torch.inference_mode():
             # A target that runs int8 or q4 weights on CPU: the head's products in int8 too.
             self.fast = head.fast_linears(int8=target.weights != "float")
-        self.vocab_size = c.vocab_size
         self.committed: list[int] = []
         # Head cache positions [0, fed - origin) hold the target's real features of sequence
         # positions [origin, fed).
@@ -92,26 +77,14 @@ class EagleDraft(Base):
         # that do not draft (auto k) append in O(1) and the next draft concatenates once.
         self.pending: list[torch.Tensor] = []
         self.n_pending = 0
-        self.generator = torch.Generator(device=w.device)
-        self.greedy, self.sampling = True, {}
-        self.draft_probs: torch.Tensor | None = None
-        self.confidences: list[float] = []
 
     # -- the protocol
 
     def fork(self, ids) -> EagleDraft:
-        new = copy.copy(self)
-        new.auto = copy_auto(self.auto)
+        new = cast(EagleDraft, super().fork(ids))
         new.cache = self.cache.clone()
         new.committed, new.pending = list(self.committed), list(self.pending)  # never written
-        new.sampling, new.confidences, new.draft_probs = dict(self.sampling), [], None
-        new.generator = copy_generator(self.generator)
         return new
-
-    def start_turn(self, seed: int, params: dict | None) -> None:
-        self.greedy = params is None or params.get("temperature", 0) == 0
-        self.sampling = dict(params or {})
-        self.generator.manual_seed(seed)
 
     def extend(self, tokens) -> None:
         self.committed.extend(int(t) for t in tokens)
@@ -122,21 +95,6 @@ class EagleDraft(Base):
         if features is None:
             raise ValueError("the EAGLE drafter needs the target's features of the prompt")
         self._add_features(len(self.committed) - 1 - features.shape[0], features)
-
-    def propose(self, budget: int) -> Proposal:
-        k = self.fixed_k if self.auto is None else self.auto.choose_draft()
-        k = min(k, budget)
-        if k <= 0 or not self.n_pending:
-            return Proposal([])
-        tokens = self._draft(k)
-        return Proposal(tokens, self.draft_probs, None, list(self.confidences))
-
-    def observe(self, proposal, n_accepted, verify_seconds, verified: Verified) -> None:
-        if verified.features is None:
-            raise ValueError("the round gave the EAGLE drafter no features")
-        self._add_features(len(self.committed) - 1, verified.features)
-        if self.auto is not None:
-            observe_model(self.auto, proposal, n_accepted, verify_seconds)
 
     def rollback(self, kept) -> None:
         """The committed sequence is now `kept`: features of positions past len(kept) - 2 are
@@ -149,6 +107,31 @@ class EagleDraft(Base):
         elif self.fed + self.n_pending > known:
             self.pending = [self._take_pending()[: known - self.fed]]
             self.n_pending = known - self.fed
+
+    # -- the chain's steps
+
+    def _take(self, verified: Verified) -> None:
+        if verified.features is None:
+            raise ValueError("the round gave the EAGLE drafter no features")
+        self._add_features(len(self.committed) - 1, verified.features)
+
+    def ready(self) -> bool:
+        return self.n_pending > 0
+
+    def _row_ids(self) -> torch.Tensor:
+        return self.target_ids
+
+    def _first(self) -> torch.Tensor:
+        """Re-feeds the pending real rows; -> the first draft's logits (1, Vd)."""
+        rows = self._take_pending()
+        self.cache.rollback(self.fed - self.origin)  # forget last round's drafts
+        self._hidden = self._feed(rows)
+        self.fed, self.pending, self.n_pending = self.fed + rows.shape[0], [], 0
+        return self.head.logits(self._hidden, self.fast).float()
+
+    def _next(self, token: torch.Tensor) -> torch.Tensor:
+        self._hidden = self._step(self._hidden, token)
+        return self.head.logits(self._hidden, self.fast).float()
 
     # -- the head's passes
 
@@ -218,98 +201,17 @@ class EagleDraft(Base):
         self.cache.length = pos + T
         return out
 
-    def _draft(self, k: int) -> list[int]:
-        """Re-feeds the pending real rows, then drafts up to k tokens."""
-        rows = self._take_pending()
-        self.cache.rollback(self.fed - self.origin)  # forget last round's drafts
-        hidden = self._feed(rows)
-        self.fed, self.pending, self.n_pending = self.fed + rows.shape[0], [], 0
-        drafts, qs, confidences = [], [], []
-        for i in range(k):
-            logits = self.head.logits(hidden, self.fast).float()  # (1, Vd)
-            row, q = self._choose(logits)
-            token = self.target_ids[row]  # (1,)
-            drafts.append(token)
-            if q is not None:
-                qs.append(q)
-            if self.auto is not None:
-                confidences.append(draft_probability(logits, q, row))  # one host sync per step
-                if not self.auto.keep_drafting(confidences):
-                    break
-            if i + 1 < k:
-                hidden = self._step(hidden, token)
-        self.confidences = confidences
-        self.draft_probs = self._to_target(torch.cat(qs)) if qs else None
-        return torch.cat(drafts).tolist()
 
-    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The draft row (1,) from logits (1, Vd), and the q (1, Vd) it was drawn from."""
-        if self.greedy:
-            return argmax_rows(logits), None
-        q = logits_to_probs(logits, **self.sampling)
-        return torch.multinomial(q, 1, generator=self.generator)[0], q
-
-    def _to_target(self, q: torch.Tensor) -> torch.Tensor:
-        """(k, Vd) over the draft vocabulary -> (k, V) over the target's, zeros elsewhere."""
-        full = q.new_zeros(q.shape[0], self.vocab_size)
-        return full.index_copy_(1, self.target_ids, q)
-
-
-class EagleNgramDraft(EagleDraft):
-    """CombinedDrafter(head): the n-gram where the context repeats, the head elsewhere. Auto k
-    picks the source each round (AutoK.choose_source, as CombinedDraft); a fixed k drafts with
-    the n-gram when its match is at least `min_match` tokens. While the n-gram drafts, the
-    head's pending features pile up and are fed in one pass the next time it drafts."""
-
-    def __init__(self, combined, target, fixed_k, max_length):
-        super().__init__(combined.model, target, fixed_k, max_length)
-        self.ngram, self.min_match = combined.ngram, combined.min_match
-
-    def fork(self, ids) -> EagleNgramDraft:
-        new = super().fork(ids)
-        new.ngram = clone_ngram(self.ngram, ids)
-        return new
-
-    def extend(self, tokens) -> None:
-        super().extend(tokens)
-        self.ngram.extend(tokens)
-
-    def propose(self, budget: int) -> Proposal:
-        match = self.ngram.match_length
-        if self.auto is None:
-            use_ngram, k = match >= self.min_match, self.fixed_k
-        else:
-            use_ngram, k = self.auto.choose_source(match)
-            if k and not use_ngram:
-                k = self.auto.max_draft_k  # the head stops itself (keep_drafting)
-        k = min(k, budget)
-        if k > 0 and use_ngram:
-            tokens = list(self.ngram.propose(k))[:k]
-            if tokens:
-                return Proposal(tokens, None, match)
-        if k <= 0 or not self.n_pending:
-            return Proposal([], evidence=match if use_ngram else None)
-        tokens = self._draft(k)
-        return Proposal(tokens, self.draft_probs, None, list(self.confidences))
-
-    def rollback(self, kept) -> None:
-        super().rollback(kept)
-        self.ngram.reset()
-        self.ngram.extend(self.committed)
-
-
-def eagle_drafter(drafter, target, fixed_k: int | None, max_length: int) -> EagleDraft:
-    """make_drafter's EAGLE case: "eagle" (the default model's shipped head), "eagle:PATH", an
-    EagleHead, or a CombinedDrafter of an EagleHead (with the n-gram)."""
-    if isinstance(drafter, CombinedDrafter):
-        return EagleNgramDraft(drafter, target, fixed_k, max_length)
-    if isinstance(drafter, str):
-        path = drafter.partition(":")[2] or None
-        if path is None and not eagle_head.DEFAULT_HEAD.is_dir():
-            raise ValueError(
-                f'drafter="eagle" uses the head shipped for SmolLM2-135M-Instruct at '
-                f"{eagle_head.DEFAULT_HEAD}, which is not there; pass a head from "
-                "specfast.load_eagle(path, model) or drafter='eagle:PATH'"
-            )
-        drafter = load_eagle(path, target)
-    return EagleDraft(drafter, target, fixed_k, max_length)
+def load_head(drafter, target: Target) -> EagleHead:
+    """The EagleHead for generate()'s `drafter`: "eagle" (the default model's shipped head),
+    "eagle:PATH", or an EagleHead as it is."""
+    if not isinstance(drafter, str):
+        return drafter
+    path = drafter.partition(":")[2] or None
+    if path is None and not eagle_head.DEFAULT_HEAD.is_dir():
+        raise ValueError(
+            f'drafter="eagle" uses the head shipped for SmolLM2-135M-Instruct at '
+            f"{eagle_head.DEFAULT_HEAD}, which is not there; pass a head from "
+            "specfast.load_eagle(path, model) or drafter='eagle:PATH'"
+        )
+    return load_eagle(path, target)

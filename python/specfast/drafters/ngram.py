@@ -6,7 +6,7 @@ import copy
 
 from specfast._core import NgramDrafter
 from specfast.autok import AutoK
-from specfast.drafters.base import Base, Proposal, clone_ngram, copy_auto
+from specfast.drafters.base import Base, Drafter, Proposal, clone_ngram, copy_auto
 
 
 class IndexDraft(Base):
@@ -18,7 +18,7 @@ class IndexDraft(Base):
 
     def __init__(self, inner, fixed_k: int | None):
         self.inner = inner
-        self.fixed_k = fixed_k
+        self.fixed_k: int = fixed_k or 0  # used only without auto k (fixed_k given)
         self.auto = AutoK() if fixed_k is None else None
 
     def extend(self, tokens) -> None:
@@ -53,7 +53,7 @@ class IndexDraft(Base):
         reset()
         self.inner.extend(kept)
 
-    def fork(self, ids) -> IndexDraft:
+    def fork(self, ids) -> Drafter:
         if not isinstance(self.inner, NgramDrafter):
             return super().fork(ids)  # TypeError: another object's index cannot be copied
         new = copy.copy(self)
