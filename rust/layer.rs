@@ -12,8 +12,8 @@ use crate::error::{Error, Result};
 use crate::helper;
 use crate::int8::{Kernel, Product, ROW_VALUES};
 
-/// A Llama-family layer's weights (Llama, Qwen2, SmolLM2): pre-norm attention with grouped kv
-/// heads and rotate-half RoPE, then a pre-norm SiLU-gated MLP.
+/// A Llama-family layer's weights (Llama, Qwen2, Qwen3, SmolLM2): pre-norm attention with
+/// grouped kv heads and rotate-half RoPE, then a pre-norm SiLU-gated MLP.
 pub struct Weights<'a> {
     /// (dim,) RMSNorm weight before attention.
     pub attn_norm: &'a [f32],
@@ -21,6 +21,9 @@ pub struct Weights<'a> {
     pub qkv: &'a dyn Product,
     /// ((H + 2 Hkv) hd,), or none.
     pub qkv_bias: Option<&'a [f32]>,
+    /// (hd,) RMSNorm gains of every query head and of every key head, applied before RoPE
+    /// (Qwen3), or none.
+    pub qk_norm: Option<(&'a [f32], &'a [f32])>,
     /// (dim, H hd).
     pub o: &'a dyn Product,
     /// The RMSNorm gain before the MLP.
@@ -108,7 +111,10 @@ fn forward<E: Elem>(
     let q = fit(&mut sc.q, h * rows * hd); // (H, T, hd), as attention reads it
     for (t, row) in qkv.chunks_exact_mut(width).enumerate() {
         let (c, sn) = (&cos[t * hd..(t + 1) * hd], &sin[t * hd..(t + 1) * hd]);
-        for head in row[..(h + hkv) * hd].chunks_exact_mut(hd) {
+        for (j, head) in row[..(h + hkv) * hd].chunks_exact_mut(hd).enumerate() {
+            if let Some((q_norm, k_norm)) = w.qk_norm {
+                rms_norm_in_place(head, if j < h { q_norm } else { k_norm }, s.eps);
+            }
             rope(head, c, sn);
         }
         let slot = s.pos + t;
@@ -330,6 +336,13 @@ fn check<E>(
             "ffn_norm must hold dim = {dim} values and qkv_bias {width}"
         ));
     }
+    if w.qk_norm
+        .is_some_and(|(q, k)| q.len() != hd || k.len() != hd)
+    {
+        return bad(format!(
+            "q_norm and k_norm must hold head_dim = {hd} values"
+        ));
+    }
     if cos.len() != rows * hd || sin.len() != rows * hd {
         return bad(format!("cos and sin must be (T, hd) = ({rows}, {hd})"));
     }
@@ -365,6 +378,14 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         for ((y, &v), &g) in o.iter_mut().zip(row).zip(weight) {
             *y = v * r * g;
         }
+    }
+}
+
+/// x <- x / rms(x) · weight, for one head: the same operations as `rms_norm_rows`.
+fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let r = 1.0 / (attention::dot_product(x, x) / x.len() as f32 + eps).sqrt();
+    for (v, &g) in x.iter_mut().zip(weight) {
+        *v = *v * r * g;
     }
 }
 
@@ -422,6 +443,7 @@ mod tests {
     struct Layer {
         attn_norm: Vec<f32>,
         qkv: Box<dyn Product>,
+        qk_norm: Option<(Vec<f32>, Vec<f32>)>,
         o: Box<dyn Product>,
         ffn_norm: Vec<f32>,
         gate_up: Box<dyn Product>,
@@ -434,6 +456,7 @@ mod tests {
                 attn_norm: &self.attn_norm,
                 qkv: self.qkv.as_ref(),
                 qkv_bias: None,
+                qk_norm: self.qk_norm.as_ref().map(|(q, k)| (&q[..], &k[..])),
                 o: self.o.as_ref(),
                 ffn_norm: &self.ffn_norm,
                 gate_up: self.gate_up.as_ref(),
@@ -478,6 +501,7 @@ mod tests {
         Layer {
             attn_norm: values(DIM, 1, 1.0).iter().map(|v| 1.0 + v).collect(),
             qkv: m(width, DIM, 2),
+            qk_norm: None,
             o: m(DIM, 48, 3),
             ffn_norm: values(DIM, 4, 1.0).iter().map(|v| 1.0 + v).collect(),
             gate_up: m(2 * 40, DIM, 5),
@@ -540,6 +564,42 @@ mod tests {
         for four_bit in [false, true] {
             rows_are_independent_with(&layer(four_bit));
         }
+    }
+
+    fn with_qk_norm(mut l: Layer) -> Layer {
+        let gain = |seed| values(12, seed, 1.0).iter().map(|v| 1.0 + v).collect();
+        l.qk_norm = Some((gain(7), gain(8)));
+        l
+    }
+
+    /// Qwen3's q/k norms: rows stay independent, and the norms change the output (a layer
+    /// that skipped them would equal the plain one).
+    #[test]
+    fn qk_norm_rows_are_independent_and_matter() {
+        let (plain, normed) = (layer(false), with_qk_norm(layer(false)));
+        rows_are_independent_with(&normed);
+        let n = 2 * 40 * 12;
+        let x = values(3 * DIM, 9, 2.0);
+        let (mut a, mut b) = (x.clone(), x.clone());
+        run(&plain, &mut a, 0, &mut (vec![0.0; n], vec![0.0; n]));
+        run(&normed, &mut b, 0, &mut (vec![0.0; n], vec![0.0; n]));
+        assert_ne!(a, b);
+    }
+
+    /// A key head normed with the query gain (the q/k norms swapped) is caught: each gain
+    /// reaches its own heads.
+    #[test]
+    fn qk_norm_gains_reach_their_own_heads() {
+        let normed = with_qk_norm(layer(false));
+        let mut swapped = with_qk_norm(layer(false));
+        let (q, k) = swapped.qk_norm.take().unwrap();
+        swapped.qk_norm = Some((k, q));
+        let n = 2 * 40 * 12;
+        let x = values(3 * DIM, 9, 2.0);
+        let (mut a, mut b) = (x.clone(), x);
+        run(&normed, &mut a, 0, &mut (vec![0.0; n], vec![0.0; n]));
+        run(&swapped, &mut b, 0, &mut (vec![0.0; n], vec![0.0; n]));
+        assert_ne!(a, b);
     }
 
     fn rows_are_independent_with(l: &Layer) {
@@ -776,5 +836,9 @@ mod tests {
         let err = one_layer(&mut x, &w, &far, [&c, &c], (&mut k, &mut v)).unwrap_err();
         assert!(err.to_string().contains("do not fit"), "{err}");
         one_layer(&mut x, &w, &SHAPE, [&c, &c], (&mut k, &mut v)).unwrap();
+        let mut short = with_qk_norm(layer(false));
+        short.qk_norm.as_mut().unwrap().1.pop();
+        let err = one_layer(&mut x, &short.weights(), &SHAPE, [&c, &c], (&mut k, &mut v));
+        assert!(err.unwrap_err().to_string().contains("k_norm"));
     }
 }

@@ -74,6 +74,8 @@ TINY_HF = {
         ),
     ),
     "qwen2-bias": dict(model_type="qwen2", tie_word_embeddings=True, num_key_value_heads=2),
+    # head_dim 24, not hidden / heads = 16: Qwen3's heads are wider than dim / heads
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, num_key_value_heads=2, head_dim=24),
     "mistral": dict(model_type="mistral", tie_word_embeddings=False, num_key_value_heads=2),
 }
 
@@ -185,6 +187,9 @@ def write_tiny_gguf(hf_model, path):
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     # tokenizer: 256 byte tokens, merged pairs, one control token at the end
@@ -212,7 +217,7 @@ def write_tiny_gguf(hf_model, path):
         attn_norm="input_layernorm", ffn_norm="post_attention_layernorm",
         attn_q="self_attn.q_proj", attn_k="self_attn.k_proj", attn_v="self_attn.v_proj",
         attn_output="self_attn.o_proj", ffn_gate="mlp.gate_proj", ffn_up="mlp.up_proj",
-        ffn_down="mlp.down_proj",
+        ffn_down="mlp.down_proj", attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm",
     )  # fmt: skip
     for i in range(cfg.num_hidden_layers):
         for ours, theirs in names.items():

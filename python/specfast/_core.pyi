@@ -120,7 +120,8 @@ _LayerWeights = tuple[_Float32, _Matrix, _Float32 | None, _Matrix, _Float32, _Ma
 class CoreLayers:
     """A model's int8, 4-bit or float32 layers and its head, run over a pass in one call.
     layers: per layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down); norm and
-    output: the final norm and the vocabulary projection."""
+    output: the final norm and the vocabulary projection; qk_norms: per layer (q_norm, k_norm),
+    applied to every query and key head before RoPE (Qwen3), or None."""
 
     def __new__(
         cls,
@@ -129,6 +130,8 @@ class CoreLayers:
         eps: float,
         norm: _Float32,
         output: _Matrix,
+        *,
+        qk_norms: Sequence[tuple[_Float32, _Float32]] | None = None,
     ) -> CoreLayers: ...
     def forward(
         self,

@@ -79,6 +79,7 @@ struct Layer {
     attn_norm: Vec<f32>,
     qkv: Matrix,
     qkv_bias: Option<Vec<f32>>,
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     o: Matrix,
     ffn_norm: Vec<f32>,
     gate_up: Matrix,
@@ -91,6 +92,7 @@ impl Layer {
             attn_norm: &self.attn_norm,
             qkv: self.qkv.product(),
             qkv_bias: self.qkv_bias.as_deref(),
+            qk_norm: self.qk_norm.as_ref().map(|(q, k)| (&q[..], &k[..])),
             o: self.o.product(),
             ffn_norm: &self.ffn_norm,
             gate_up: self.gate_up.product(),
@@ -109,6 +111,8 @@ type LayerArgs<'py> = (
     Bound<'py, PyAny>,
 );
 
+type QkNorm<'py> = (PyReadonlyArray1<'py, f32>, PyReadonlyArray1<'py, f32>);
+
 /// A model's int8, 4-bit or float32 layers and its head (final norm and output matrix), run
 /// over a pass in one call with the interpreter released. It holds the weight matrices and copies of the
 /// norms and biases: built again whenever the model's weights change.
@@ -125,26 +129,42 @@ pub struct PyCoreLayers {
 #[allow(clippy::needless_pass_by_value)] // numpy's borrowed arrays are extracted by value
 impl PyCoreLayers {
     /// layers: per layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down), the
-    /// norms and bias float32 arrays, the others Int8Matrix, Q4Matrix or FloatMatrix; heads: query heads;
-    /// norm (dim,) and output (V, dim): the final norm and the vocabulary projection.
+    /// norms and bias float32 arrays, the others Int8Matrix, Q4Matrix or FloatMatrix; heads:
+    /// query heads; norm (dim,) and output (V, dim): the final norm and the vocabulary
+    /// projection. qk_norms: per layer (q_norm, k_norm), each (hd,), applied to every query
+    /// and key head before RoPE (Qwen3), or None.
     #[new]
+    #[pyo3(signature = (layers, heads, eps, norm, output, *, qk_norms=None))]
     fn new(
         layers: Vec<LayerArgs<'_>>,
         heads: usize,
         eps: f32,
         norm: PyReadonlyArray1<'_, f32>,
         output: &Bound<'_, PyAny>,
+        qk_norms: Option<Vec<QkNorm<'_>>>,
     ) -> PyResult<Self> {
         let copy = |name: &str, a: &PyReadonlyArray1<'_, f32>| -> PyResult<Vec<f32>> {
             Ok(a.as_slice().map_err(|_| contiguous_error(name))?.to_vec())
         };
+        if qk_norms.as_ref().is_some_and(|n| n.len() != layers.len()) {
+            return Err(PyValueError::new_err(format!(
+                "qk_norms must hold one (q_norm, k_norm) pair per layer ({})",
+                layers.len()
+            )));
+        }
         let layers = layers
             .iter()
-            .map(|(attn, qkv, bias, o, ffn, gate_up, down)| {
+            .enumerate()
+            .map(|(i, (attn, qkv, bias, o, ffn, gate_up, down))| {
+                let qk_norm = match &qk_norms {
+                    Some(n) => Some((copy("q_norm", &n[i].0)?, copy("k_norm", &n[i].1)?)),
+                    None => None,
+                };
                 Ok(Layer {
                     attn_norm: copy("attn_norm", attn)?,
                     qkv: Matrix::new("qkv", qkv)?,
                     qkv_bias: bias.as_ref().map(|b| copy("qkv_bias", b)).transpose()?,
+                    qk_norm,
                     o: Matrix::new("o", o)?,
                     ffn_norm: copy("ffn_norm", ffn)?,
                     gate_up: Matrix::new("gate_up", gate_up)?,

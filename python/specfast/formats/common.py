@@ -10,7 +10,7 @@ import torch
 
 from specfast.targets.torch.model import Model, ModelConfig
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], source: Path) -> Model:
@@ -37,7 +37,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], source: P
     return model
 
 
-def fuse_layer(get, i: int, prefix: str, bias: bool) -> dict[str, torch.Tensor]:
+def fuse_layer(get, i: int, prefix: str, bias: bool, qk_norm: bool) -> dict[str, torch.Tensor]:
     """Our layer i's tensors from HF-named ones: `get(name)` returns a tensor in the dtype
     the model loads in."""
     p = f"{prefix}layers.{i}."
@@ -57,6 +57,9 @@ def fuse_layer(get, i: int, prefix: str, bias: bool) -> dict[str, torch.Tensor]:
         out[f"layers.{i}.wqkv.bias"] = torch.cat(
             [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0
         )
+    if qk_norm:
+        out[f"layers.{i}.q_norm"] = get(p + "self_attn.q_norm.weight")
+        out[f"layers.{i}.k_norm"] = get(p + "self_attn.k_norm.weight")
     return out
 
 

@@ -112,6 +112,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
             rope_scaling=scaling,
             max_context=int(meta("context_length", 2048)),
             attn_bias="blk.0.attn_q.bias" in tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors,
             tie_embeddings="output.weight" not in tensors,
             arch=arch,
             extra=extra,
@@ -119,7 +120,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: bad or missing GGUF model metadata: {e}") from None
 
-    # llama.cpp permutes Q/K rows for llama-arch (interleaved RoPE); qwen2 uses NEOX RoPE as-is.
+    # llama.cpp permutes Q/K rows for llama-arch (interleaved RoPE); qwen2/3 use NEOX RoPE as-is.
     permuted = arch in ("llama", "mistral")
 
     def get(name):
@@ -141,6 +142,9 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
         weights[f"layers.{i}.wqkv.weight"] = torch.cat([get(b + f"attn_{n}.weight") for n in "qkv"])
         if config.attn_bias:
             weights[f"layers.{i}.wqkv.bias"] = torch.cat([get(b + f"attn_{n}.bias") for n in "qkv"])
+        if config.qk_norm:
+            weights[f"layers.{i}.q_norm"] = get(b + "attn_q_norm.weight")
+            weights[f"layers.{i}.k_norm"] = get(b + "attn_k_norm.weight")
         weights[f"layers.{i}.wo.weight"] = get(b + "attn_output.weight")
         weights[f"layers.{i}.w_gate_up.weight"] = torch.cat(
             [get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")]

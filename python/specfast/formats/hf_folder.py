@@ -48,6 +48,7 @@ def config_from_hf(cfg: dict, source: Path) -> ModelConfig:
             rope_scaling=rope,
             max_context=cfg.get("max_position_embeddings", 2048),
             attn_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
             tie_embeddings=bool(cfg.get("tie_word_embeddings", arch != "mistral")),
             arch=arch,
         )
@@ -96,7 +97,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Model:
     if not config.tie_embeddings:
         weights["lm_head.weight"] = get("lm_head.weight")
     for i in range(config.n_layers):
-        weights.update(fuse_layer(get, i, prefix, config.attn_bias))
+        weights.update(fuse_layer(get, i, prefix, config.attn_bias, config.qk_norm))
     model = build_model(config, weights, folder)
 
     model.tokenizer = None

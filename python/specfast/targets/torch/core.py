@@ -61,8 +61,12 @@ def core_stack(model, packed) -> CoreLayers:
             bias = None if bias is None else bias.detach().numpy()
             attn, ffn = layer.attn_norm.detach().numpy(), layer.ffn_norm.detach().numpy()
             args.append((attn, qkv, bias, o, ffn, gate_up, down))
-        c, norm = model.config, model.norm.detach().numpy()
-        model._stack = (packed, CoreLayers(args, c.n_heads, c.norm_eps, norm, packed[-1]))
+        c, norm, layers = model.config, model.norm.detach().numpy(), model.layers
+        qk_norms = None
+        if c.qk_norm:
+            qk_norms = [(x.q_norm.detach().numpy(), x.k_norm.detach().numpy()) for x in layers]
+        stack = CoreLayers(args, c.n_heads, c.norm_eps, norm, packed[-1], qk_norms=qk_norms)
+        model._stack = (packed, stack)
     return model._stack[1]
 
 

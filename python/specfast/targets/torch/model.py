@@ -1,4 +1,4 @@
-"""A lean Llama-family transformer (llama, qwen2, mistral, SmolLM) for batch-1 decoding.
+"""A lean Llama-family transformer (llama, qwen2, qwen3, mistral, SmolLM) for batch-1 decoding.
 
 One sequence, no batch dimension: activations are (T, D). This file holds the weights (and their
 packing for the CPU kernels) and the layers' math; a pass runs through decoder.py, by one of
@@ -96,6 +96,7 @@ class ModelConfig:
     rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
     max_context: int = 2048
     attn_bias: bool = False  # qwen2: biases on q, k, v
+    qk_norm: bool = False  # qwen3: an RMSNorm on every query and key head before RoPE
     tie_embeddings: bool = False
     arch: str = "llama"
     extra: dict = field(default_factory=dict, repr=False)
@@ -191,6 +192,9 @@ class Layer(nn.Module):
         qkv_out = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         self.attn_norm = nn.Parameter(torch.ones(c.dim))
         self.wqkv = nn.Linear(c.dim, qkv_out, bias=c.attn_bias)  # fused q, k, v
+        if c.qk_norm:  # (hd,) gains shared by every query head, and by every key head
+            self.q_norm = nn.Parameter(torch.ones(c.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(c.head_dim))
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.ffn_norm = nn.Parameter(torch.ones(c.dim))
         self.w_gate_up = nn.Linear(c.dim, 2 * c.intermediate_size, bias=False)  # fused
@@ -599,6 +603,9 @@ class Model(nn.Module):
             qkv = linear(h, layer.wqkv.weight, pw[0], layer.wqkv.bias)  # (T, (H + 2Hkv) * hd)
             qk = qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd)
             v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
+            if c.qk_norm:  # each head normed on its own, queries and keys by their own gains
+                gains = torch.cat([layer.q_norm.expand(H, hd), layer.k_norm.expand(Hkv, hd)])
+                qk = F.rms_norm(qk, (hd,), eps=c.norm_eps) * gains  # (T, H + Hkv, hd)
             x1, x2 = qk.chunk(2, dim=-1)
             qk = qk * cos + torch.cat([-x2, x1], dim=-1) * sin  # RoPE on q and k at once
             q, k = qk.split([H, Hkv], dim=1)  # (T, H, hd), (T, Hkv, hd)
