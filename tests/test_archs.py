@@ -26,8 +26,8 @@ def passes(model, ids) -> torch.Tensor:
     return torch.cat([dec.forward(ids[:25]), dec.forward(ids[25:26]), dec.forward(ids[26:])])
 
 
-def load(kind, tmp_path, source):
-    hf_model = make_hf_model(kind)
+def load(kind, tmp_path, source, **overrides):
+    hf_model = make_hf_model(kind, **overrides)
     if source == "gguf":
         path = write_tiny_gguf(hf_model, tmp_path / "tiny.gguf")
     else:
@@ -37,9 +37,10 @@ def load(kind, tmp_path, source):
 
 
 def through(model, way: str):
-    """The model set to run its passes `way`: "core" (one call into the Rust core) or "eager"
-    (torch's layers)."""
-    model.prepack = way == "core"
+    """The model set to run its passes `way`: "core" (one call into the Rust core), "eager"
+    (torch's layers with oneDNN-packed matrices: Gemma 3's float32 passes) or "eager-plain"
+    (torch's layers on the plain weights)."""
+    model.prepack = way != "eager-plain"
     model.unpack()
     assert model.in_core == (way == "core")
     return model
@@ -50,7 +51,7 @@ def through(model, way: str):
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-@pytest.mark.parametrize("way", ["core", "eager"])
+@pytest.mark.parametrize("way", ["core", "eager-plain"])
 def test_qwen3_matches_transformers(tmp_path, source, way):
     hf_model, model = load("qwen3", tmp_path, source)
     assert model.config.qk_norm and model.config.head_dim == 24
@@ -59,7 +60,7 @@ def test_qwen3_matches_transformers(tmp_path, source, way):
     )
 
 
-@pytest.mark.parametrize("way", ["core", "eager"])
+@pytest.mark.parametrize("way", ["core", "eager-plain"])
 def test_negative_control_qwen3_without_its_qk_norm_is_caught(tmp_path, way):
     hf_model, model = load("qwen3", tmp_path, "hf")
     model.config.qk_norm = False  # the bug: the per-head norms skipped
@@ -76,3 +77,72 @@ def test_qwen3_speculative_greedy_is_plain_greedy(tmp_path):
             model, prompt, max_new_tokens=24, num_speculative_tokens=k, ignore_eos=True
         )
         assert out.token_ids == plain.token_ids
+
+
+# ----------------------------------------------------------------------------
+# Gemma 3 (text): the embedding scaled by sqrt(dim), RMSNorm with 1 + w, norms before and after
+# attention and the MLP, GELU(tanh), q/k norms, sliding-window layers with their own RoPE base
+# between global ones, the query scale from the config. torch runs its passes (not the core).
+
+GEMMA_IDS = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(12))
+
+
+@pytest.mark.parametrize("way", ["eager", "eager-plain"])
+def test_gemma3_matches_transformers(tmp_path, way):
+    hf_model, model = load("gemma3", tmp_path, "hf")
+    c = model.config
+    assert c.sliding_layers == (0, 1, 2, 3, 4) and c.sliding_window == 8 and c.attn_scale
+    # 40 tokens: past the window of 8, so the sliding layers' masks decide what is seen
+    out = passes(through(model, way), GEMMA_IDS)
+    torch.testing.assert_close(out, reference(hf_model, GEMMA_IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_gemma3_from_gguf_matches_transformers(tmp_path):
+    # llama.cpp's GGUF has no query scale; it uses 1/sqrt(head_dim), as this model does
+    hf_model, model = load("gemma3", tmp_path, "gguf", query_pre_attn_scalar=16)
+    assert model.config.sliding_layers == (0, 1, 2, 3, 4) and model.config.attn_scale is None
+    out = passes(through(model, "eager"), GEMMA_IDS)
+    torch.testing.assert_close(out, reference(hf_model, GEMMA_IDS), atol=1e-4, rtol=1e-4)
+
+
+GEMMA_BUGS = {
+    "no q/k norm": dict(qk_norm=False),
+    "no post norms": dict(post_norms=False),
+    "no window": dict(sliding_layers=()),
+    "SiLU for GELU": dict(act="silu"),
+    "one RoPE base": dict(rope_local_theta=1000000.0),
+    "no embedding scale": dict(embed_scale=1.0),
+    "default query scale": dict(attn_scale=None),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(GEMMA_BUGS))
+def test_negative_control_gemma3_without_each_of_its_parts_is_caught(tmp_path, bug):
+    hf_model, model = load("gemma3", tmp_path, "hf")
+    for name, value in GEMMA_BUGS[bug].items():
+        setattr(model.config, name, value)
+    model._rope_cache = {}
+    out = passes(through(model, "eager"), GEMMA_IDS)
+    assert not torch.allclose(out, reference(hf_model, GEMMA_IDS), atol=1e-2, rtol=1e-2)
+
+
+def test_gemma3_speculative_greedy_is_plain_greedy(tmp_path):
+    _, model = load("gemma3", tmp_path, "hf")
+    prompt = GEMMA_IDS[:10].tolist() * 3  # repeats, and runs past the window
+    plain = specfast.generate(model, prompt, max_new_tokens=24, drafter=None, ignore_eos=True)
+    for k in (1, 4, "auto"):
+        out = specfast.generate(
+            model, prompt, max_new_tokens=24, num_speculative_tokens=k, ignore_eos=True
+        )
+        assert out.token_ids == plain.token_ids
+
+
+def test_gemma3_refuses_int8_and_compiled_steps_clearly(tmp_path):
+    _, model = load("gemma3", tmp_path, "hf")
+    with pytest.raises(ValueError, match="float weights only"):
+        model.quantize_int8("int8")
+    with pytest.raises(ValueError, match="eager steps only"):
+        model.compile_steps()
+    with pytest.raises(ValueError, match="float weights only"):
+        specfast.load_model(tmp_path, weights="q4")
+    assert specfast.load_model(tmp_path).weights == "float"  # "auto" keeps it float

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import make_hf_model
 
 import specfast
 from specfast import HFDecoder, make_decoder
@@ -29,12 +30,16 @@ def test_hf_folder_logits_match_transformers(hf_tiny):
 
 
 def test_hf_folder_bfloat16(hf_tiny):
-    hf_model, folder, _ = hf_tiny
+    hf_model, folder, kind = hf_tiny
     model = specfast.load_model(folder, dtype=torch.bfloat16)
     ref = hf_full(hf_model, IDS)
     out = model.decoder(64).forward(IDS)
     assert out.dtype == torch.float32
-    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+    # bf16 may be off by 5 % of the largest logit, or, where transformers' own bf16 pass is
+    # off by more (the tiny Gemma 3: its six post-normed layers compound the rounding), by
+    # half as much again as that.
+    theirs = (hf_full(make_hf_model(kind).to(torch.bfloat16), IDS) - ref).abs().max()
+    assert (out - ref).abs().max() < max(0.05 * ref.abs().max(), 1.5 * theirs)
 
 
 def test_hf_decoder_matches_full_forward_with_rollback(hf_tiny):

@@ -340,7 +340,7 @@ def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
                 )  # fmt: skip
                 return y[:, :, 0].transpose(0, 1)  # (H, B, hd)
 
-            x = model._layers(model.embed(ids), cos, sin, attend, packed)
+            x = model._layers(model.embed_tokens(ids), cos, sin, attend, packed)
             top = model._head(x, None, packed).argmax(dim=-1).tolist()
             for b in live:
                 outs[b].append(top[b])

@@ -10,7 +10,7 @@ import torch
 
 from specfast.targets.torch.model import Model, ModelConfig
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], source: Path) -> Model:
@@ -37,13 +37,15 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], source: P
     return model
 
 
-def fuse_layer(get, i: int, prefix: str, bias: bool, qk_norm: bool) -> dict[str, torch.Tensor]:
+def fuse_layer(get, i: int, prefix: str, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Our layer i's tensors from HF-named ones: `get(name)` returns a tensor in the dtype
-    the model loads in."""
+    the model loads in. (Gemma's post_attention_layernorm follows attention; Llama's is the
+    norm before the MLP.)"""
     p = f"{prefix}layers.{i}."
+    mlp_norm = "pre_feedforward_layernorm" if config.post_norms else "post_attention_layernorm"
     out = {
         f"layers.{i}.attn_norm": get(p + "input_layernorm.weight"),
-        f"layers.{i}.ffn_norm": get(p + "post_attention_layernorm.weight"),
+        f"layers.{i}.ffn_norm": get(p + f"{mlp_norm}.weight"),
         f"layers.{i}.wqkv.weight": torch.cat(
             [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0
         ),
@@ -53,13 +55,16 @@ def fuse_layer(get, i: int, prefix: str, bias: bool, qk_norm: bool) -> dict[str,
         ),
         f"layers.{i}.w_down.weight": get(p + "mlp.down_proj.weight"),
     }
-    if bias:
+    if config.attn_bias:
         out[f"layers.{i}.wqkv.bias"] = torch.cat(
             [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0
         )
-    if qk_norm:
+    if config.qk_norm:
         out[f"layers.{i}.q_norm"] = get(p + "self_attn.q_norm.weight")
         out[f"layers.{i}.k_norm"] = get(p + "self_attn.k_norm.weight")
+    if config.post_norms:
+        out[f"layers.{i}.post_attn_norm"] = get(p + "post_attention_layernorm.weight")
+        out[f"layers.{i}.post_ffn_norm"] = get(p + "post_feedforward_layernorm.weight")
     return out
 
 

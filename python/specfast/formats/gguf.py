@@ -1,5 +1,6 @@
-"""A GGUF file -> Model: the tensors dequantized, the config and the byte-level BPE tokenizer
-from its metadata; also single tensors of it (a Llama's token embedding for an EAGLE head)."""
+"""A GGUF file -> Model: the tensors dequantized, the config and the tokenizer (byte-level BPE,
+or SentencePiece: spm.py) from its metadata; also single tensors of it (a Llama's token
+embedding for an EAGLE head)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from specfast.formats.common import SUPPORTED_ARCHS, build_model, int_list
+from specfast.formats.spm import spm_tokenizer
 from specfast.targets.llama_cpp.state import llama_state
 from specfast.targets.torch.model import Model, ModelConfig
 
@@ -72,7 +74,9 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(
-            f"{path}: GGUF architecture {arch!r} is not supported; use one of {SUPPORTED_ARCHS}"
+            f"{path}: GGUF architecture {arch!r} is not supported by specfast's runtime (it "
+            f"runs {', '.join(SUPPORTED_ARCHS)}); run it with llama.cpp as the target, with "
+            "specfast's drafters: specfast.load_model(path, backend='llama.cpp')"
         )
     tensors = {t.name: t for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens")
@@ -99,10 +103,11 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
                 .reshape(-1)
                 .astype(np.float64)
             )
+        n_layers = int(meta("block_count"))
         config = ModelConfig(
             vocab_size=int(vocab or 0),  # (set above: the metadata, tokens or embedding)
             dim=dim,
-            n_layers=int(meta("block_count")),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=n_kv,
             head_dim=int(meta("attention.key_length", dim // n_heads)),
@@ -116,6 +121,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
             tie_embeddings="output.weight" not in tensors,
             arch=arch,
             extra=extra,
+            **(gemma3_options(meta, dim, n_heads, n_layers) if arch == "gemma3" else {}),
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: bad or missing GGUF model metadata: {e}") from None
@@ -145,6 +151,9 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
         if config.qk_norm:
             weights[f"layers.{i}.q_norm"] = get(b + "attn_q_norm.weight")
             weights[f"layers.{i}.k_norm"] = get(b + "attn_k_norm.weight")
+        if config.post_norms:  # (llama.cpp's converter stores Gemma's norms as 1 + w)
+            weights[f"layers.{i}.post_attn_norm"] = get(b + "post_attention_norm.weight")
+            weights[f"layers.{i}.post_ffn_norm"] = get(b + "post_ffw_norm.weight")
         weights[f"layers.{i}.wo.weight"] = get(b + "attn_output.weight")
         weights[f"layers.{i}.w_gate_up.weight"] = torch.cat(
             [get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")]
@@ -162,6 +171,22 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     model.eos_token_ids = list(dict.fromkeys(int_list([e for e in eos if e is not None])))
     return model
+
+
+def gemma3_options(meta, dim: int, n_heads: int, n_layers: int) -> dict:
+    """ModelConfig's gemma3 fields from GGUF metadata, with llama.cpp's rules where the file is
+    silent: every 6th layer global, the rest sliding with RoPE base 10000, and scores scaled by
+    1/sqrt(key_length) (1/sqrt(dim / heads) for the 62-layer 27B)."""
+    hd = int(meta("attention.key_length", dim // n_heads))
+    return dict(
+        embed_scale=dim**0.5,
+        post_norms=True,
+        act="gelu_tanh",
+        attn_scale=(dim / n_heads) ** -0.5 if n_layers == 62 and dim // n_heads != hd else None,
+        sliding_window=int(meta("attention.sliding_window", 4096)),
+        sliding_layers=tuple(i for i in range(n_layers) if (i + 1) % 6),
+        rope_local_theta=10000.0,
+    )
 
 
 def llama_embedding(llama, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -213,15 +238,25 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def tokenizer_from_gguf(reader, path: Path):
     """A `tokenizers.Tokenizer` built from a GGUF's metadata, or None (with a warning) when the
-    file's tokenizer model is not byte-level BPE."""
+    file's tokenizer model is neither byte-level BPE nor SentencePiece (formats/spm.py)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers as pre
 
     kind = _field(reader, "tokenizer.ggml.model")
+    if kind == "llama":  # SentencePiece (Gemma, Llama 2)
+        return spm_tokenizer(
+            list(_field(reader, "tokenizer.ggml.tokens")),
+            [float(s) for s in _field(reader, "tokenizer.ggml.scores") or []],
+            [int(t) for t in _field(reader, "tokenizer.ggml.token_type") or []],
+            bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
+            add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+            path=path,
+        )
     if kind != "gpt2":
         warnings.warn(
-            f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-            "the model loads without a tokenizer",
+            f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', and "
+            "SentencePiece, 'llama', are); the model loads without a tokenizer",
             stacklevel=3,
         )
         return None

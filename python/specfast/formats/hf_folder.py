@@ -11,6 +11,24 @@ from specfast.formats.common import SUPPORTED_ARCHS, build_model, fuse_layer, in
 from specfast.targets.torch.model import Model, ModelConfig
 
 
+def _gemma3_options(cfg: dict) -> dict:
+    """ModelConfig's gemma3 fields from a Gemma3ForCausalLM config.json."""
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    types = cfg.get("layer_types") or []
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    scale = float(cfg.get("query_pre_attn_scalar", hd)) ** -0.5
+    return dict(
+        embed_scale=cfg["hidden_size"] ** 0.5,
+        post_norms=True,
+        act="gelu_tanh",
+        attn_scale=None if scale == hd**-0.5 else scale,
+        sliding_window=cfg.get("sliding_window"),
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        # transformers 4.x: rope_local_base_freq
+        rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 1e4))),
+    )
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -21,15 +39,33 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+# model_type -> our arch, where they differ (Gemma3ForCausalLM, the text-only Gemma 3)
+HF_ARCHS = {"gemma3_text": "gemma3"}
+
+
 def config_from_hf(cfg: dict, source: Path) -> ModelConfig:
     """ModelConfig from a transformers config.json dict (4.x or 5.x spelling)."""
-    arch = cfg.get("model_type")
-    if arch not in SUPPORTED_ARCHS:
+    model_type = str(cfg.get("model_type"))
+    arch = HF_ARCHS.get(model_type, model_type)
+    if arch not in SUPPORTED_ARCHS or (arch == "gemma3" and model_type != "gemma3_text"):
+        supported = sorted({*SUPPORTED_ARCHS, *HF_ARCHS} - set(HF_ARCHS.values()))
         raise ValueError(
-            f"{source}: model_type {arch!r} is not supported; use one of {SUPPORTED_ARCHS}"
+            f"{source}: model_type {model_type!r} is not supported; use one of "
+            f"{supported}; for others, run a GGUF of the model with llama.cpp as the target, "
+            "with specfast's drafters: specfast.load_model(path, backend='llama.cpp')"
         )
+    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+        raise ValueError(f"{source}: logit softcapping is not supported")
+    rope_params = cfg.get("rope_parameters") or {}
+    gemma: dict = {}
+    if arch == "gemma3":  # transformers 5 keys its rope_parameters by layer type
+        rope_params = rope_params.get("full_attention") or {}
+        try:
+            gemma = _gemma3_options(cfg)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{source}: bad Gemma 3 config.json: {e!r}") from None
     # transformers 5 nests theta and scaling in rope_parameters; 4.x has rope_theta + rope_scaling
-    scaling = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    scaling = dict(rope_params or cfg.get("rope_scaling") or {})
     theta = scaling.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     default = scaling.get("rope_type", scaling.get("type", "default")) == "default"
     rope = None if default else scaling
@@ -48,9 +84,10 @@ def config_from_hf(cfg: dict, source: Path) -> ModelConfig:
             rope_scaling=rope,
             max_context=cfg.get("max_position_embeddings", 2048),
             attn_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", arch != "mistral")),
             arch=arch,
+            **gemma,
         )
     except KeyError as e:
         raise ValueError(f"{source}: config.json lacks required key {e}") from None
@@ -88,6 +125,9 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Model:
     def get(name):
         if name not in raw:
             raise ValueError(f"{folder}: tensor {name} missing from the safetensors files")
+        if config.arch == "gemma3" and name.endswith("norm.weight"):
+            # Gemma's RMSNorm multiplies by 1 + w, in float32 (as transformers computes it)
+            return (raw[name].float() + 1.0).to(dtype)
         return raw[name].to(dtype)
 
     weights = {
@@ -97,7 +137,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Model:
     if not config.tie_embeddings:
         weights["lm_head.weight"] = get("lm_head.weight")
     for i in range(config.n_layers):
-        weights.update(fuse_layer(get, i, prefix, config.attn_bias, config.qk_norm))
+        weights.update(fuse_layer(get, i, prefix, config))
     model = build_model(config, weights, folder)
 
     model.tokenizer = None

@@ -58,7 +58,11 @@ class HFDecoder:
                 f"max_length {max_length} exceeds the model's context of {self.max_context}"
             )
         self.max_length = max_length
-        self.cache = DynamicCache(config=cfg)
+        # A sliding-window layer's cache (Gemma 3's) keeps only its window, so a rollback
+        # could not bring back what a rejected draft pushed out: such models get full layers,
+        # and their attention masks still apply the window.
+        sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
+        self.cache = DynamicCache() if sliding else DynamicCache(config=cfg)
         self._length = 0
         # transformers >= 5.24 names the cache argument `cache`; earlier ones `past_key_values`
         params = inspect.signature(hf_model.forward).parameters

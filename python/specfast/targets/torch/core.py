@@ -34,7 +34,7 @@ def forward_in_core(model, ids, cache: KVCache, pos: int, last_only, head, aux_l
     aux: dict | None = None if aux_layers is None else dict.fromkeys(aux_layers)
     rows = 1 if last_only else T
     logits = None if head is not None else torch.empty(rows, model.vocab_size)
-    x = model.embed(ids).float().contiguous()  # (T, D)
+    x = model.embed_tokens(ids).float().contiguous()  # (T, D)
     ids_aux = list(aux or ())
     feats = torch.empty(len(ids_aux), *x.shape)  # (n, T, D): the input of each aux layer
     out = None if logits is None else logits.numpy()

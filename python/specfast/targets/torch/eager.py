@@ -25,6 +25,12 @@ def forward_eager(model, ids, cache: KVCache, pos: int, last_only, head, aux_lay
     T, g = ids.shape[0], c.n_heads // c.n_kv_heads
     cos, sin = model.rope(pos + T)
     cos, sin = cos[pos : pos + T, None, :], sin[pos : pos + T, None, :]  # (T, 1, hd)
+    local = window = None
+    if c.sliding_layers:
+        lc, ls = model.rope(pos + T, local=True)
+        local = lc[pos : pos + T, None, :], ls[pos : pos + T, None, :]
+        if pos + T > c.sliding_window:  # some row has keys outside its window
+            window = window_mask(T, pos, c.sliding_window, ids.device)
     groups = mask = None
     causal = False
     # int8 rounds every activation, so a last-bit difference between a verify pass's row and a
@@ -40,14 +46,23 @@ def forward_eager(model, ids, cache: KVCache, pos: int, last_only, head, aux_lay
         k_all, v_all = cache.write(i, pos, k, v)  # (Hkv, pos + T, hd)
         if groups:
             return attend_rows(q, cache.k[i], cache.v[i], groups, g)
+        if window is not None and i in c.sliding_layers:
+            return attention(q, k_all, v_all, window)
         return attention(q, k_all, v_all, mask, causal)
 
     packed = model.packed_weights()
     aux: dict | None = None if aux_layers is None else dict.fromkeys(aux_layers)
     with eager_attention_backends(ids.device):
-        x = model._layers(model.embed(ids), cos, sin, attend, packed, aux)
+        x = model._layers(model.embed_tokens(ids), cos, sin, attend, packed, aux, local)
     logits = model._head(x[-1:] if last_only else x, head, packed)
     return logits if aux is None else (logits, model_features(aux, aux_layers))
+
+
+def window_mask(T: int, pos: int, window: int, device) -> torch.Tensor:
+    """(T, pos + T) bool: row t, at position pos + t, sees keys (pos + t - window, pos + t]."""
+    keys = torch.arange(pos + T, device=device)
+    at = torch.arange(pos, pos + T, device=device)[:, None]
+    return (keys <= at) & (keys > at - window)
 
 
 def model_features(aux: dict, aux_layers) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""A lean Llama-family transformer (llama, qwen2, qwen3, mistral, SmolLM) for batch-1 decoding.
+"""A lean Llama-family transformer (llama, qwen2, qwen3, mistral, SmolLM; gemma3's text
+layers) for batch-1 decoding.
 
 One sequence, no batch dimension: activations are (T, D). This file holds the weights (and their
 packing for the CPU kernels) and the layers' math; a pass runs through decoder.py, by one of
@@ -14,6 +15,7 @@ import ctypes
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -96,7 +98,18 @@ class ModelConfig:
     rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
     max_context: int = 2048
     attn_bias: bool = False  # qwen2: biases on q, k, v
-    qk_norm: bool = False  # qwen3: an RMSNorm on every query and key head before RoPE
+    qk_norm: bool = False  # qwen3, gemma3: an RMSNorm on every query and key head before RoPE
+    # gemma3: the embedding times embed_scale; norms after attention and after the MLP too;
+    # a GELU(tanh)-gated MLP; scores scaled by attn_scale (None: 1/sqrt(head_dim)); and the
+    # layers in sliding_layers attend only to their last sliding_window keys, with RoPE of
+    # base rope_local_theta.
+    embed_scale: float = 1.0
+    post_norms: bool = False
+    act: str = "silu"  # "silu" | "gelu_tanh"
+    attn_scale: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
     tie_embeddings: bool = False
     arch: str = "llama"
     extra: dict = field(default_factory=dict, repr=False)
@@ -117,12 +130,32 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not (self.rope_theta > 0 and self.norm_eps > 0):
             raise ValueError("rope_theta and norm_eps must be positive")
+        if self.act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"ModelConfig.act must be 'silu' or 'gelu_tanh', got {self.act!r}")
+        if self.sliding_layers and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError("sliding_layers need a positive sliding_window")
+        self.sliding_layers = tuple(self.sliding_layers)
+
+    @property
+    def core_layers(self) -> bool:
+        """Whether the core (rust/layer.rs) runs these layers: not gemma3's, which torch runs."""
+        return not (
+            self.post_norms
+            or self.act != "silu"
+            or self.attn_scale is not None
+            or self.embed_scale != 1.0
+            or self.sliding_layers
+        )
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """(head_dim/2,) float64 inverse frequencies, with the config's scaling applied."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """(head_dim/2,) float64 inverse frequencies, with the config's scaling applied; `local`:
+    the sliding layers' (base rope_local_theta, unscaled)."""
     hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if local:
+        return inv_freq
     s = config.rope_scaling or {}
     kind = s.get("rope_type", s.get("type", "default"))
     if kind == "default":
@@ -199,6 +232,9 @@ class Layer(nn.Module):
         self.ffn_norm = nn.Parameter(torch.ones(c.dim))
         self.w_gate_up = nn.Linear(c.dim, 2 * c.intermediate_size, bias=False)  # fused
         self.w_down = nn.Linear(c.intermediate_size, c.dim, bias=False)
+        if c.post_norms:  # gemma3: on the attention's and the MLP's outputs, before the sum
+            self.post_attn_norm = nn.Parameter(torch.ones(c.dim))
+            self.post_ffn_norm = nn.Parameter(torch.ones(c.dim))
 
 
 class Model(nn.Module):
@@ -259,7 +295,8 @@ class Model(nn.Module):
         CORE_CACHE_DTYPES: float32 activations on CPU, with int8 or q4 weights, or with float32
         weights (`FloatMatrix`) unless `prepack` is off or the passes run compiled steps."""
         cpu32 = self.dtype == torch.float32 and self.device.type == "cpu"
-        return cpu32 and (self.int8 or (self.prepack and self.compiled_step is None))
+        fits = cpu32 and self.config.core_layers
+        return fits and (self.int8 or (self.prepack and self.compiled_step is None))
 
     def _packing(self) -> str | None:
         """What packed_weights() packs the matrices for on CPU: "core" (int8 or q4 weights, or
@@ -306,6 +343,11 @@ class Model(nn.Module):
         larger capacity and compiles again. steps.warmup compiles ahead. Returns self."""
         if enabled and self.int8:
             raise ValueError("int8 weights run eagerly on CPU; compile a float model instead")
+        if enabled and self.config.sliding_layers:
+            raise ValueError(
+                f"{self.config.arch} runs eager steps only (its sliding-window layers have no "
+                'compiled step); pass compile="off" or "auto"'
+            )
         if max_length is not None and not 0 < max_length <= self.max_context:
             raise ValueError(f"max_length must be in [1, {self.max_context}], got {max_length}")
         self.unpack()  # a compiled step reads the plain weights (packed_weights keeps them then)
@@ -384,14 +426,22 @@ class Model(nn.Module):
 
     # -- rope
 
-    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(length, head_dim) cos and sin tables in the model dtype, cached per device/dtype."""
-        key = (self.device, self.dtype)
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) -> (T, D): the embedding rows, times embed_scale (gemma3), rounded to the
+        model dtype as transformers rounds it."""
+        x = self.embed(ids)
+        s = self.config.embed_scale
+        return x if s == 1.0 else x * torch.tensor(s, dtype=x.dtype)
+
+    def rope(self, length: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(length, head_dim) cos and sin tables in the model dtype, cached per device/dtype;
+        `local`: the sliding layers' tables."""
+        key = (self.device, self.dtype, local)
         cached = self._rope_cache.get(key)
         if cached is None or cached[0].shape[0] < length:
             n = max(length, cached[0].shape[0] if cached else 0)
             pos = torch.arange(n, dtype=torch.float64)
-            freqs = torch.outer(pos, rope_inv_freq(self.config)).float()  # (n, hd/2)
+            freqs = torch.outer(pos, rope_inv_freq(self.config, local)).float()  # (n, hd/2)
             emb = torch.cat([freqs, freqs], dim=-1)  # (n, hd), rotate-half layout
             # Computed in float32, then cast, as transformers does, so bf16 results agree.
             with torch.inference_mode():  # like the cache: one kind of tensor for the step
@@ -540,6 +590,11 @@ class Model(nn.Module):
             raise ValueError(f"quantize_int8 runs on CPU only; the model is on {self.device}")
         if self.compiled_step is not None:
             raise ValueError("int8 weights run eagerly on CPU; call compile_steps(False) first")
+        if not self.config.core_layers:
+            raise ValueError(
+                f"{self.config.arch} runs float weights only (int8 and q4 weights run in the "
+                'core, which does not run its layers yet): pass weights="float" or "auto"'
+            )
         self.unpack()
         self.weight_kind = weights
         return self
@@ -590,12 +645,17 @@ class Model(nn.Module):
         (static.forward_static) -> (logits (B, V), argmax ids (B,))."""
         return forward_static(self, ids, positions, k_cache, v_cache, cos_table, sin_table)
 
-    def _layers(self, x, cos, sin, attend, packed, aux=None) -> torch.Tensor:
+    def _layers(self, x, cos, sin, attend, packed, aux=None, local=None) -> torch.Tensor:
         """x (T, D) through every layer; `attend(i, q, k, v)` stores k, v and attends. `aux`
-        (layer id -> None) gets the residual stream entering each of its layers."""
+        (layer id -> None) gets the residual stream entering each of its layers. `local`: the
+        (cos, sin) of the sliding layers, where their RoPE differs."""
         c = self.config
         T, H, Hkv, hd = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
+        act = F.silu if c.act == "silu" else partial(F.gelu, approximate="tanh")
+        q_gain = None if c.attn_scale is None else c.attn_scale * math.sqrt(hd)
+        global_rope = (cos, sin)
         for i, layer in enumerate(self.layers):
+            cos, sin = local if local is not None and i in c.sliding_layers else global_rope
             if aux is not None and i in aux:
                 aux[i] = x  # (T, D): the input of layer i = the output of layer i - 1
             pw = packed[i] if packed else (None,) * 4
@@ -609,12 +669,19 @@ class Model(nn.Module):
             x1, x2 = qk.chunk(2, dim=-1)
             qk = qk * cos + torch.cat([-x2, x1], dim=-1) * sin  # RoPE on q and k at once
             q, k = qk.split([H, Hkv], dim=1)  # (T, H, hd), (T, Hkv, hd)
+            if q_gain is not None:  # attention scales scores by 1/sqrt(hd): make it attn_scale
+                q = q * q_gain
             y = attend(i, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # (H, T, hd)
-            y = y.transpose(0, 1).reshape(T, H * hd)
-            x = x + linear(y, layer.wo.weight, pw[1])
+            y = linear(y.transpose(0, 1).reshape(T, H * hd), layer.wo.weight, pw[1])
+            if c.post_norms:
+                y = F.rms_norm(y, (c.dim,), layer.post_attn_norm, c.norm_eps)
+            x = x + y
             h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
             gate, up = linear(h, layer.w_gate_up.weight, pw[2]).chunk(2, dim=-1)  # (T, F) each
-            x = x + linear(F.silu(gate) * up, layer.w_down.weight, pw[3])
+            y = linear(act(gate) * up, layer.w_down.weight, pw[3])
+            if c.post_norms:
+                y = F.rms_norm(y, (c.dim,), layer.post_ffn_norm, c.norm_eps)
+            x = x + y
         return x
 
     def _head(self, x, head, packed) -> torch.Tensor:

@@ -145,7 +145,7 @@ def forward_static(model, ids, positions, k_cache, v_cache, cos_table, sin_table
 
     # oneDNN-prepacked weights are opaque to the compiler; inductor lays out its own.
     packed = None if torch.compiler.is_compiling() else model.packed_weights()
-    x = model._layers(model.embed(ids), cos, sin, attend, packed)
+    x = model._layers(model.embed_tokens(ids), cos, sin, attend, packed)
     logits = model._head(x, None, packed)
     return logits, logits.argmax(dim=-1)
 
