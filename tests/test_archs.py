@@ -137,7 +137,10 @@ def test_gemma3_speculative_greedy_is_plain_greedy(tmp_path):
         assert out.token_ids == plain.token_ids
 
 
-def test_gemma3_refuses_int8_and_compiled_steps_clearly(tmp_path):
+def test_gemma3_refuses_int8_and_compiled_steps_clearly(tmp_path, monkeypatch):
+    import specfast.targets.torch.int8 as int8
+
+    monkeypatch.setattr(int8, "AUTO_MIN_WEIGHTS", 0)  # weights "auto" would time int8 here
     _, model = load("gemma3", tmp_path, "hf")
     with pytest.raises(ValueError, match="float weights only"):
         model.quantize_int8("int8")
