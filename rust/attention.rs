@@ -87,7 +87,7 @@ pub fn attend_with<E: Elem>(
     // one kv head, so that its items share the head's keys and values (`bundle`), and the
     // pieces are the kv heads cut once more at the middle item: each thread then takes about
     // half the items, and reads each kv head's keys and values for as many of them at once as
-    // it can (bench_attention.py; docs/benchmarks.md §13).
+    // it can (bench_attention.py; docs/benchmarks.md §14).
     let per_kv = n_items / d.kv_heads;
     let mut cuts: Vec<usize> = (0..=d.kv_heads).map(|h| h * per_kv).collect();
     cuts.push(n_items / 2);
@@ -206,7 +206,7 @@ const BUNDLE: usize = 32;
 const BUNDLE_SCORES: usize = 1 << 18;
 /// The bytes of a tile in f32: 64 keys of a 64-wide head, 32 of a 128-wide one, half of a 32
 /// KiB L1. Its keys are a multiple of 16, so even: a tile starts every item's even chain on an
-/// even key (`accumulate`). The size is bench_attention.py's choice (docs/benchmarks.md §13).
+/// even key (`accumulate`). The size is bench_attention.py's choice (docs/benchmarks.md §14).
 const TILE_BYTES: usize = 16 << 10;
 
 /// Keys a tile of a head of `hd` values holds (see `TILE_BYTES`).
@@ -217,11 +217,11 @@ fn tile_keys(hd: usize) -> usize {
 /// Items from which a bundle fetches its next tile into L1 while it works on this one. With
 /// this many, a tile's arithmetic outlasts its reads, and the cache's lines arrive where the
 /// hardware's prefetchers, which stop at each 4 KiB page, leave them late. Smaller bundles go
-/// without: there the fetch did not pay (bench_attention.py; docs/benchmarks.md §13).
+/// without: there the fetch did not pay (bench_attention.py; docs/benchmarks.md §14).
 const FETCH_ITEMS: usize = 4;
 /// The most that the tile in f32 and the next one as the cache holds it may take, for the
 /// fetch: three quarters of a 32 KiB L1. A float16 cache's tiles fit (16 + 8 KiB); a float32
-/// cache's (16 + 16) do not, and fetching those did not pay (docs/benchmarks.md §13).
+/// cache's (16 + 16) do not, and fetching those did not pay (docs/benchmarks.md §14).
 const FETCH_BYTES: usize = 24 << 10;
 
 /// Fetches a tile's cache lines into L1 a share at a time, in the `steps` steps of the work
@@ -369,7 +369,7 @@ unsafe fn widen<'a, V: Lanes, E: Elem>(src: &'a [E], wide: &'a mut Vec<f32>) -> 
 /// Keys held dimension-major (16 keys to a vector, one chain of multiply-adds a key in the
 /// order of d) would need no tree, but the cache holds keys row by row, and a 16 × 16
 /// transpose of every tile for each bundle costs more than the trees it saves: a one-row
-/// bundle shares each tile among only its kv head's query heads (docs/benchmarks.md §13).
+/// bundle shares each tile among only its kv head's query heads (docs/benchmarks.md §14).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn score_tile<V: Lanes>(

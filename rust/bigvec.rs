@@ -5,7 +5,7 @@
 //! read also misses the TLB, and the page walk that follows evicts the interpreter's own entries,
 //! so the Python side of a round gets slower too. Linux backs memory with 2 MiB pages only where a
 //! whole aligned 2 MiB range lies inside a region advised with `MADV_HUGEPAGE`, and a `Vec`'s
-//! buffer starts wherever the allocator puts it (bench_drafter.py; docs/benchmarks.md §13).
+//! buffer starts wherever the allocator puts it (bench_drafter.py; docs/benchmarks.md §14).
 
 use std::alloc::{alloc, dealloc, handle_alloc_error, Layout};
 use std::fmt;

@@ -2,7 +2,7 @@
 //!
 //! A library GEMM (oneDNN, MKL, OpenBLAS) blocks its sums by the number of rows, so a verify
 //! pass's row need not equal a one-token pass to the last bit; none of them streams a batch-1
-//! product at the memory's rate on every CPU either (bench_linear.py; docs/benchmarks.md §13).
+//! product at the memory's rate on every CPU either (bench_linear.py; docs/benchmarks.md §14).
 //! Here every output value is attention's dot product (`attention::dot_rows`: 16 lanes of
 //! fused multiply-adds, then a fixed tree), so a row's values depend only on that row, and the
 //! AVX-512, AVX2 and portable builds give the same bits.

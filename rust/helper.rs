@@ -3,7 +3,7 @@
 //! A decode pass makes over a hundred matrix products of tens of microseconds each, with
 //! torch's own ops between them. A general pool (rayon) parks its workers after a few
 //! microseconds idle, and waking one costs about as much as a split saves
-//! (docs/benchmarks.md §13). This helper spins for a while after each
+//! (docs/benchmarks.md §14). This helper spins for a while after each
 //! job (`SPIN`, a few milliseconds: longer than the gaps between passes) before it
 //! parks, so during a generation it is always awake, and when generation stops it sleeps.
 //!
@@ -284,7 +284,7 @@ pub fn join(a: impl Fn() + Sync, b: impl Fn() + Sync) {
 /// The median time of `joins` empty jobs handed to the helper and back (after a few more that
 /// wake it), or None without a helper: the least that splitting work between the threads costs.
 /// It also tells how far apart the two threads sit, which split kernels' times follow
-/// (core_rates in bench_runtime.py prints it first; docs/benchmarks.md §13).
+/// (core_rates in bench_runtime.py prints it first; docs/benchmarks.md §14).
 pub fn round_trip(joins: usize) -> Option<Duration> {
     helper()?;
     let mut times: Vec<Duration> = (0..joins + 16)

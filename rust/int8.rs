@@ -268,7 +268,7 @@ impl Int8Matrix {
                 // their cache lines beside each run of each chunk of rows, so that reading the
                 // weights overlaps the arithmetic. A unit's last pair fetches the first its
                 // thread runs in its next unit (bench_runtime.py, bench_linear.py:
-                // docs/benchmarks.md §13).
+                // docs/benchmarks.md §14).
                 let next = match forward {
                     true if b + 2 * PAIR <= blocks => Some(b + PAIR),
                     false if b >= PAIR => Some(b - PAIR),
@@ -814,7 +814,7 @@ mod x86 {
                     let mut sums = [[_mm256_setzero_si256(); 2]; R];
                     for run in g * runs..(g + 1) * runs {
                         // The hardware's prefetchers alone leave this loop waiting on memory
-                        // (bench_linear.py; docs/benchmarks.md §13): ask for the line 32 runs
+                        // (bench_linear.py; docs/benchmarks.md §14): ask for the line 32 runs
                         // ahead.
                         _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(run * 64 + 2048).cast());
                         let w0 = $load(_mm256_loadu_si256(wp.add(run * 64).cast()));

@@ -605,7 +605,7 @@ mod x86 {
             for pair in g * 4..(g + 1) * 4 {
                 // One or two rows read faster than the hardware prefetches: into L2, 4 KB
                 // ahead; more rows keep 2 KB into L1 (bench_runtime.py; docs/benchmarks.md
-                // §13).
+                // §14).
                 if R > 2 {
                     _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(pair * 64 + 2048).cast());
                 } else {

@@ -5,7 +5,7 @@
 //! its own heap allocation lies on 4 KiB pages: a pass walks tens of thousands of them, far
 //! more than the TLB holds, and the cores' prefetchers stop at each page's end. Carved side by
 //! side out of slabs that Linux backs with 2 MiB pages (`MADV_HUGEPAGE`), the weights read
-//! faster (bench_runtime.py; docs/benchmarks.md §13).
+//! faster (bench_runtime.py; docs/benchmarks.md §14).
 //!
 //! A slab lives as long as any buffer carved from it; the open slab, which new buffers come
 //! from, is held only through them, so a dropped model frees its slabs.

@@ -53,7 +53,7 @@ import weakref
 # compiled steps pad a pass to a power of two (static.BUCKETS), so 17 rows cost as much as 32
 # there. The set is chosen by replaying fixed outputs with each candidate set
 # (`python benches/llama_replay.py [--costs-of specfast --max-pass 33]`; docs/benchmarks.md
-# §13). A pass over 24 pays only where verifying is nearly free (LONG_PASS below).
+# §14). A pass over 24 pays only where verifying is nearly free (LONG_PASS below).
 CANDIDATES = (0, 1, 2, 3, 5, 7, 11, 15, 23)
 # Passes past LONG_PASS tokens are candidates only once a LONG_PASS-token pass has been timed at
 # no more than LONG_PASS_MAX_COST single steps: verifying is nearly free there. Elsewhere the
@@ -69,7 +69,7 @@ REARM_K = 8  # a draft at least this long, accepted whole, re-arms backed-off bu
 MODEL_REARM_K = 2  # a draft model's probe re-arms its probing when this many are accepted whole
 # Shorter n-gram matches are never probed once their rate says "off": when text starts to repeat,
 # its matches grow past this within a token or two and the longer buckets take over; probing 1-2
-# token matches never paid in benches/llama_replay.py (docs/benchmarks.md §13).
+# token matches never paid in benches/llama_replay.py (docs/benchmarks.md §14).
 PROBE_MIN_MATCH = 3
 # A bucket explores untried pass lengths (pass_seconds) once its drafts have had this many tokens
 # accepted (decayed): on a prior alone, open text paid for the tries and got nothing back.

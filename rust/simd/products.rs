@@ -73,7 +73,7 @@ pub(crate) unsafe fn dot_rows_lanes<V: Lanes>(
         (true, _) => (8, 3),
         (false, 1) => (4, 1),
         // Two rows at a time load each weight vector once for both, where (4, 1)'s loads
-        // would outnumber the FMA units' operands (bench_linear.py; docs/benchmarks.md §13).
+        // would outnumber the FMA units' operands (bench_linear.py; docs/benchmarks.md §14).
         (false, _) => (3, 2),
     };
     let whole = if dim.is_multiple_of(LANES) {
@@ -86,7 +86,7 @@ pub(crate) unsafe fn dot_rows_lanes<V: Lanes>(
     // beside each step of its arithmetic, so that reading the weights from memory overlaps the
     // arithmetic of several rows; without it the hardware's prefetcher leaves the two mostly
     // in turn. The last step fetches the first rows of `then`, the weights its caller runs
-    // next (bench_linear.py; docs/benchmarks.md §13).
+    // next (bench_linear.py; docs/benchmarks.md §14).
     let lines = k * dim / 16;
     let share = lines.div_ceil(tiles);
     for j in (0..whole).step_by(k) {

@@ -157,7 +157,7 @@ def default_model_path() -> Path:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits (T, V) -> (T,) int64: each row's argmax, with torch.argmax's rules (the first index
     on ties; a NaN counts as the largest). float32 on CPU goes through NumPy, whose SIMD argmax
-    is several times faster than torch's over a vocabulary row (docs/benchmarks.md §13)."""
+    is several times faster than torch's over a vocabulary row (docs/benchmarks.md §14)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return argmax_array(logits.detach().numpy())
     return logits.argmax(dim=-1)

@@ -152,7 +152,7 @@ class LlamaDecoder:
     def greedy_ids(self, tokens: list[int]) -> list[int]:
         """forward_greedy over a list of ids -> the argmax id of every row, as ints. No torch
         call on the way: right after a llama_decode the caches are cold and each torch call
-        costs tens of microseconds (docs/benchmarks.md §13)."""
+        costs tens of microseconds (docs/benchmarks.md §14)."""
         return self._run(tokens, False, greedy=True).tolist()
 
     def forward(self, ids: torch.Tensor, last_only: bool = False, features=None):

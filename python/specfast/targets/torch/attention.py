@@ -72,7 +72,7 @@ def attention(q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
     if q.device.type == "cpu" and not causal:
         # Decode and verify passes on a CPU: a kv head's g query heads as one (g*T)-row batch
         # item, the faster form for 2-9 rows (benches/bench_attention.py; docs/benchmarks.md
-        # §13); a causal prefill, faster in the 4-D call, still takes that.
+        # §14); a causal prefill, faster in the 4-D call, still takes that.
         mask = None if mask is None else mask.repeat(g, 1)  # (g*T, L)
         y = F.scaled_dot_product_attention(q.reshape(Hkv, g * T, hd), k, v, attn_mask=mask)
         return y.reshape(H, T, hd)

@@ -64,7 +64,7 @@ class KVCache:
 
 def _zeros(shape, device, dtype) -> torch.Tensor:
     """A zeroed buffer; on CPU, on 2 MiB pages where Linux gives them (asked for before the
-    zeros touch the memory; bench_runtime.py, docs/benchmarks.md §13)."""
+    zeros touch the memory; bench_runtime.py, docs/benchmarks.md §14)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
     t = torch.empty(shape, device=device, dtype=dtype)
