@@ -73,7 +73,7 @@ def load_model(
         model, _ = auto_float_dtype(path, lambda dtype: _load(path, device, dtype, "float"))
     else:
         model = _load(path, device, float_dtype, "float")
-    if try_int8 and model.config.core_layers:  # (quantized weights run in the core)
+    if try_int8:
         kinds = ("int8", "q4") if model.file_is_4bit else ("int8",)
         model, _ = auto_weights(model, lambda kind: _load(path, device, None, kind), kinds)
         if model.int8:

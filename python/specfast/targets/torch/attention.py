@@ -16,16 +16,22 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 KEY_BUCKET = 64
 
 
-def row_groups(pos: int, T: int, capacity: int, device) -> list[tuple[int, int, torch.Tensor]]:
+def row_groups(
+    pos: int, T: int, capacity: int, device, window: int | None = None
+) -> list[tuple[int, int, torch.Tensor]]:
     """For T query rows at positions pos..: (first row, end row, mask (n, 1, 1, keys)) per run of
-    rows whose key length (their position + 1, padded to a KEY_BUCKET multiple) is the same."""
+    rows whose key length (their position + 1, padded to a KEY_BUCKET multiple) is the same.
+    With `window`, a row at position p sees only keys (p - window, p]."""
     groups = []
     t = 0
     while t < T:
         keys = min(capacity, -(-(pos + t + 1) // KEY_BUCKET) * KEY_BUCKET)
         end = min(T, keys - pos) if keys < capacity else T
         slots = torch.arange(keys, device=device)
-        seen = slots[None, :] <= torch.arange(pos + t, pos + end, device=device)[:, None]
+        at = torch.arange(pos + t, pos + end, device=device)[:, None]
+        seen = slots[None, :] <= at
+        if window is not None:
+            seen &= slots[None, :] > at - window
         groups.append((t, end, seen[:, None, None, :]))  # (n, 1, 1, keys)
         t = end
     return groups

@@ -35,8 +35,11 @@ def forward_eager(model, ids, cache: KVCache, pos: int, last_only, head, aux_lay
     causal = False
     # int8 rounds every activation, so a last-bit difference between a verify pass's row and a
     # one-token pass grows into a different token: those passes attend row by row.
+    local_groups = None
     if model.int8 and T <= INT8_SERIAL_ROWS:
         groups = row_groups(pos, T, cache.k.shape[2], ids.device)
+        if c.sliding_layers:
+            local_groups = row_groups(pos, T, cache.k.shape[2], ids.device, c.sliding_window)
     elif T > 1 and pos == 0:
         causal = True  # keys [0, T): query i sees [0, i]
     elif T > 1:
@@ -45,7 +48,8 @@ def forward_eager(model, ids, cache: KVCache, pos: int, last_only, head, aux_lay
     def attend(i, q, k, v) -> torch.Tensor:  # q (H, T, hd); k, v (Hkv, T, hd)
         k_all, v_all = cache.write(i, pos, k, v)  # (Hkv, pos + T, hd)
         if groups:
-            return attend_rows(q, cache.k[i], cache.v[i], groups, g)
+            sliding = local_groups is not None and i in c.sliding_layers
+            return attend_rows(q, cache.k[i], cache.v[i], local_groups if sliding else groups, g)
         if window is not None and i in c.sliding_layers:
             return attention(q, k_all, v_all, window)
         return attention(q, k_all, v_all, mask, causal)

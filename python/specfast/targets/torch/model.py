@@ -262,7 +262,7 @@ class Model(nn.Module):
         self._kv_dtype: torch.dtype | None = None  # kv_dtype's choice; None: by weights
         # The file's layer matrices were 4-bit (a Q4 GGUF): weights="auto" may pick q4.
         self.file_is_4bit = False
-        self.compiled_step = None  # torch.compile'd forward_static (steps.compile_step)
+        self.compiled_step = None  # torch.compile'd forward_static (static.compile_step)
         self.static_capacity = 0  # KV slots of the compiled step's decoders (compile_steps)
         # Runs of a (bucket, cache) that compile or record, not run: the first; on CUDA the
         # second too, which records the CUDA graph (the first runs eagerly to warm up).
@@ -337,10 +337,10 @@ class Model(nn.Module):
         max_length: int | None = None,
     ) -> Model:
         """Decoders made from now on run decode and verify passes as compiled static-shape
-        steps (enabled=False: eager again). See specfast.targets.torch.steps. Their KV cache
+        steps (enabled=False: eager again). See specfast.targets.torch.static. Their KV cache
         has one capacity, for `max_length` tokens (None: the whole context, up to 4095), so
         generations up to that long share one compile per bucket; a longer decoder gets a
-        larger capacity and compiles again. steps.warmup compiles ahead. Returns self."""
+        larger capacity and compiles again. static.warmup compiles ahead. Returns self."""
         if enabled and self.int8:
             raise ValueError("int8 weights run eagerly on CPU; compile a float model instead")
         if enabled and self.config.sliding_layers:
@@ -574,7 +574,8 @@ class Model(nn.Module):
     def quantize_int8(self, weights: str = "int8") -> Model:
         """Runs every matrix but the embedding lookup in the core with int8 activations, on CPU
         (see specfast.targets.torch.int8), each activation row quantized on its own, so a verify
-        pass gives row for row what one-token passes give.
+        pass gives row for row what one-token passes give. Where the core does not run the
+        layers (gemma3), torch runs them around the core's matrix products.
 
         weights="int8": one scale per output row; a pass reads a quarter of float32's bytes.
         weights="q4": the layers' matrices in llama.cpp's Q4_1 (5 bits a weight), the output
@@ -590,11 +591,6 @@ class Model(nn.Module):
             raise ValueError(f"quantize_int8 runs on CPU only; the model is on {self.device}")
         if self.compiled_step is not None:
             raise ValueError("int8 weights run eagerly on CPU; call compile_steps(False) first")
-        if not self.config.core_layers:
-            raise ValueError(
-                f"{self.config.arch} runs float weights only (int8 and q4 weights run in the "
-                'core, which does not run its layers yet): pass weights="float" or "auto"'
-            )
         self.unpack()
         self.weight_kind = weights
         return self
