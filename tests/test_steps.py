@@ -345,7 +345,7 @@ def test_load_model_auto_sets_model_dtype(monkeypatch, tmp_path):
 
 def test_cli_choices_match_the_runtime():
     from specfast import cli
-    from specfast.targets.torch.model import DTYPE_CHOICES
+    from specfast.targets.torch.config import DTYPE_CHOICES
 
     assert cli.common.DTYPE_CHOICES == DTYPE_CHOICES
     assert cli.common.COMPILE_CHOICES == steps.COMPILE_CHOICES

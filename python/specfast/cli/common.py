@@ -14,8 +14,8 @@ import torch
 import specfast
 from specfast.hardware import cpu_flags_label
 from specfast.targets import as_target
+from specfast.targets.torch.config import DTYPE_CHOICES
 from specfast.targets.torch.int8 import WEIGHTS_CHOICES, int8_kernel
-from specfast.targets.torch.model import DTYPE_CHOICES
 from specfast.targets.torch.static import COMPILE_CHOICES
 
 
