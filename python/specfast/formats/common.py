@@ -68,6 +68,27 @@ def fuse_layer(get, i: int, prefix: str, config: ModelConfig) -> dict[str, torch
     return out
 
 
+def gemma3_fields(
+    dim: int,
+    head_dim: int,
+    attn_scale: float,
+    window: int | None,
+    sliding_layers: tuple[int, ...],
+    local_theta: float,
+) -> dict:
+    """ModelConfig's gemma3 fields, whichever file they come from; attn_scale None where it is
+    attention's own 1/sqrt(head_dim)."""
+    return dict(
+        embed_scale=dim**0.5,
+        post_norms=True,
+        act="gelu_tanh",
+        attn_scale=None if attn_scale == head_dim**-0.5 else attn_scale,
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        rope_local_theta=local_theta,
+    )
+
+
 def int_list(x) -> list[int]:
     if x is None:
         return []

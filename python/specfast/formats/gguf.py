@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specfast.formats.common import SUPPORTED_ARCHS, build_model, int_list
+from specfast.formats.common import SUPPORTED_ARCHS, build_model, gemma3_fields, int_list
 from specfast.formats.spm import spm_tokenizer
 from specfast.targets.llama_cpp.state import llama_state
 from specfast.targets.torch.model import Model, ModelConfig
@@ -178,14 +178,13 @@ def gemma3_options(meta, dim: int, n_heads: int, n_layers: int) -> dict:
     silent: every 6th layer global, the rest sliding with RoPE base 10000, and scores scaled by
     1/sqrt(key_length) (1/sqrt(dim / heads) for the 62-layer 27B)."""
     hd = int(meta("attention.key_length", dim // n_heads))
-    return dict(
-        embed_scale=dim**0.5,
-        post_norms=True,
-        act="gelu_tanh",
-        attn_scale=(dim / n_heads) ** -0.5 if n_layers == 62 and dim // n_heads != hd else None,
-        sliding_window=int(meta("attention.sliding_window", 4096)),
-        sliding_layers=tuple(i for i in range(n_layers) if (i + 1) % 6),
-        rope_local_theta=10000.0,
+    return gemma3_fields(
+        dim,
+        hd,
+        (dim / n_heads if n_layers == 62 else hd) ** -0.5,
+        int(meta("attention.sliding_window", 4096)),
+        tuple(i for i in range(n_layers) if (i + 1) % 6),
+        10000.0,
     )
 
 

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import torch
 
-from specfast.formats.common import SUPPORTED_ARCHS, build_model, fuse_layer, int_list
+from specfast.formats.common import (
+    SUPPORTED_ARCHS,
+    build_model,
+    fuse_layer,
+    gemma3_fields,
+    int_list,
+)
 from specfast.targets.torch.model import Model, ModelConfig
 
 
@@ -16,16 +22,14 @@ def _gemma3_options(cfg: dict) -> dict:
     local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
     types = cfg.get("layer_types") or []
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    scale = float(cfg.get("query_pre_attn_scalar", hd)) ** -0.5
-    return dict(
-        embed_scale=cfg["hidden_size"] ** 0.5,
-        post_norms=True,
-        act="gelu_tanh",
-        attn_scale=None if scale == hd**-0.5 else scale,
-        sliding_window=cfg.get("sliding_window"),
-        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+    return gemma3_fields(
+        cfg["hidden_size"],
+        hd,
+        float(cfg.get("query_pre_attn_scalar", hd)) ** -0.5,
+        cfg.get("sliding_window"),
+        tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
         # transformers 4.x: rope_local_base_freq
-        rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 1e4))),
+        float(local.get("rope_theta", cfg.get("rope_local_base_freq", 1e4))),
     )
 
 

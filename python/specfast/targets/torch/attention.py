@@ -105,6 +105,13 @@ EAGER_CUDA_SDPA = (
 )
 
 
+def window_mask(T: int, pos: int, window: int, device) -> torch.Tensor:
+    """(T, pos + T) bool: row t, at position pos + t, sees keys (pos + t - window, pos + t]."""
+    keys = torch.arange(pos + T, device=device)
+    at = torch.arange(pos, pos + T, device=device)[:, None]
+    return (keys <= at) & (keys > at - window)
+
+
 def verify_mask(T: int, pos: int, device: torch.device) -> torch.Tensor | CausalBias:
     """Which of the keys [0, pos+T) each of T query rows at positions pos.. sees: row i sees
     [0, pos+i]. A (T, pos+T) bool tensor; on CUDA SDPA's lower-right causal bias, the same mask

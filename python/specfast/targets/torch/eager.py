@@ -13,6 +13,7 @@ from specfast.targets.torch.attention import (
     eager_attention_backends,
     row_groups,
     verify_mask,
+    window_mask,
 )
 from specfast.targets.torch.int8 import INT8_SERIAL_ROWS
 from specfast.targets.torch.kv_cache import KVCache
@@ -25,33 +26,36 @@ def forward_eager(model, ids, cache: KVCache, pos: int, last_only, head, aux_lay
     T, g = ids.shape[0], c.n_heads // c.n_kv_heads
     cos, sin = model.rope(pos + T)
     cos, sin = cos[pos : pos + T, None, :], sin[pos : pos + T, None, :]  # (T, 1, hd)
-    local = window = None
+    local = None  # the sliding layers' RoPE
     if c.sliding_layers:
         lc, ls = model.rope(pos + T, local=True)
         local = lc[pos : pos + T, None, :], ls[pos : pos + T, None, :]
-        if pos + T > c.sliding_window:  # some row has keys outside its window
-            window = window_mask(T, pos, c.sliding_window, ids.device)
     groups = mask = None
     causal = False
     # int8 rounds every activation, so a last-bit difference between a verify pass's row and a
     # one-token pass grows into a different token: those passes attend row by row.
-    local_groups = None
     if model.int8 and T <= INT8_SERIAL_ROWS:
         groups = row_groups(pos, T, cache.k.shape[2], ids.device)
-        if c.sliding_layers:
-            local_groups = row_groups(pos, T, cache.k.shape[2], ids.device, c.sliding_window)
     elif T > 1 and pos == 0:
         causal = True  # keys [0, T): query i sees [0, i]
     elif T > 1:
         mask = verify_mask(T, pos, ids.device)  # (for T == 1 every key: no mask)
+    # The sliding layers' own, where some row has keys outside its window.
+    local_groups, local_mask = groups, mask
+    if c.sliding_layers and pos + T > c.sliding_window:
+        if groups:
+            local_groups = row_groups(pos, T, cache.k.shape[2], ids.device, c.sliding_window)
+        else:
+            local_mask = window_mask(T, pos, c.sliding_window, ids.device)
+    causal_local = causal and local_mask is mask
 
     def attend(i, q, k, v) -> torch.Tensor:  # q (H, T, hd); k, v (Hkv, T, hd)
         k_all, v_all = cache.write(i, pos, k, v)  # (Hkv, pos + T, hd)
+        sliding = i in c.sliding_layers
         if groups:
-            sliding = local_groups is not None and i in c.sliding_layers
             return attend_rows(q, cache.k[i], cache.v[i], local_groups if sliding else groups, g)
-        if window is not None and i in c.sliding_layers:
-            return attention(q, k_all, v_all, window)
+        if sliding:
+            return attention(q, k_all, v_all, local_mask, causal_local)
         return attention(q, k_all, v_all, mask, causal)
 
     packed = model.packed_weights()
@@ -60,13 +64,6 @@ def forward_eager(model, ids, cache: KVCache, pos: int, last_only, head, aux_lay
         x = model._layers(model.embed_tokens(ids), cos, sin, attend, packed, aux, local)
     logits = model._head(x[-1:] if last_only else x, head, packed)
     return logits if aux is None else (logits, model_features(aux, aux_layers))
-
-
-def window_mask(T: int, pos: int, window: int, device) -> torch.Tensor:
-    """(T, pos + T) bool: row t, at position pos + t, sees keys (pos + t - window, pos + t]."""
-    keys = torch.arange(pos + T, device=device)
-    at = torch.arange(pos, pos + T, device=device)[:, None]
-    return (keys <= at) & (keys > at - window)
 
 
 def model_features(aux: dict, aux_layers) -> torch.Tensor:
