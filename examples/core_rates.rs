@@ -346,6 +346,8 @@ fn attention() {
             head_dim: 64,
             capacity,
             pos,
+            window: 0,
+            scale: None,
         };
         let q = values(5, 9 * rows * 64);
         let mut out = vec![0.0f32; q.len()];

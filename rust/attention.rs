@@ -17,7 +17,7 @@
 use half::f16;
 
 use crate::error::{Error, Result};
-pub use crate::simd::{dot_product, silu_mul, Elem, Path};
+pub use crate::simd::{dot_product, gelu_tanh_mul, silu_mul, Elem, Path};
 use crate::simd::{dots, key_lanes_two, Lanes, Portable, LANES};
 
 /// Below this many multiply-adds a pass runs on the calling thread alone.
@@ -38,9 +38,34 @@ pub struct Dims {
     pub capacity: usize,
     /// The position of the first row.
     pub pos: usize,
+    /// A sliding window: row t sees only its last `window` keys, `pos + t + 1 - window..=pos
+    /// + t` (Gemma 3's local layers); 0 for every key.
+    pub window: usize,
+    /// The scores' scale; None for 1/√hd.
+    pub scale: Option<f32>,
 }
 
-/// out (H, T, hd) = softmax(q kᵀ / √hd) v per head, row t over keys `0..=pos + t`.
+impl Dims {
+    /// The keys row t sees: `(lo, hi)`, keys `lo..hi`, with `lo` rounded down to an even key so
+    /// that every path pairs the same keys into its even and odd chains, and whether key `lo`
+    /// is outside the window (its weight is then 0).
+    fn keys(&self, t: usize) -> (usize, usize, bool) {
+        let hi = self.pos + t + 1;
+        let start = if self.window == 0 {
+            0
+        } else {
+            hi.saturating_sub(self.window)
+        };
+        (start & !1, hi, start & 1 == 1)
+    }
+
+    fn scale(&self) -> f32 {
+        self.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+    }
+}
+
+/// out (H, T, hd) = softmax(q kᵀ · scale) v per head, row t over keys `0..=pos + t` (or the
+/// last `window` of them).
 ///
 /// q is (H, T, hd); k and v are (Hkv, S, hd) with slots `0..pos + T` written. A row whose
 /// scores are not all finite (a NaN or infinity in its query or keys) comes out as NaN.
@@ -274,10 +299,14 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     let head_len = d.capacity * hd;
     let kv = (first / d.rows) / group;
     let (kh, vh) = (&k[kv * head_len..], &v[kv * head_len..]);
-    let scale = 1.0 / (hd as f32).sqrt();
-    let keys = |i: usize| d.pos + (first + i) % d.rows + 1;
+    let scale = d.scale();
+    let range = |i: usize| d.keys((first + i) % d.rows);
+    let keys = |i: usize| range(i).1;
     let most = (0..m).map(keys).max().unwrap_or(0);
-    let width = (d.pos + d.rows).next_multiple_of(LANES);
+    // Tiles wholly before every item's window are skipped.
+    let least = (0..m).map(|i| range(i).0).min().unwrap_or(0) / tile_keys(hd) * tile_keys(hd);
+    // A row's softmax runs over whole lanes from its first key: room for one more lane.
+    let width = (d.pos + d.rows).next_multiple_of(LANES) + LANES;
     // SAFETY: this thread's buffer, which one bundle at a time uses (bundles do not nest). (A
     // pointer out of the closure rather than the work inside it: a closure is not reliably
     // inlined into the `#[target_feature]` entry point.)
@@ -295,11 +324,16 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     // the same keys (the query heads of one row) are neighbours, which go together.
     let mut order: Vec<usize> = (0..m).collect();
     order.sort_by_key(|&i| keys(i));
-    // (item, where its keys in the tile end), in `order`
+    // (item, where its keys in the tile start and end), in `order`
+    let span = |i: usize, j0: usize| {
+        let (lo, hi, _) = range(i);
+        let end = hi.min(j0 + tile).max(j0);
+        (i, lo.max(j0).min(end), end)
+    };
     let mut ends = Vec::with_capacity(m);
-    for j0 in (0..most).step_by(tile) {
+    for j0 in (least..most).step_by(tile) {
         ends.clear();
-        ends.extend(order.iter().map(|&i| (i, keys(i).min(j0 + tile).max(j0))));
+        ends.extend(order.iter().map(|&i| span(i, j0)));
         let kt = widen::<V, E>(&kh[j0 * hd..most.min(j0 + tile) * hd], &mut wide);
         // The next tile: this head's next keys, or after the last its first values.
         let next = if j0 + tile < most {
@@ -312,17 +346,18 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     }
     let mut totals = vec![None; m];
     for (i, (row, total)) in scores.chunks_exact_mut(width).zip(&mut totals).enumerate() {
-        let n = keys(i);
-        *total = softmax_weights::<V>(&mut row[..n.next_multiple_of(LANES)], n);
+        let (lo, hi, skip) = range(i);
+        let n = hi - lo;
+        *total = softmax_weights::<V>(&mut row[lo..lo + n.next_multiple_of(LANES)], n, skip);
     }
     // Per item and lane-group: its even chain, then its odd one (hd / LANES groups each).
     let mut chains = vec![0.0f32; m * 2 * hd];
-    for j0 in (0..most).step_by(tile) {
+    for j0 in (least..most).step_by(tile) {
         // Items with no keys left in this tile, or no weights (NaN rows), end here.
         ends.clear();
         ends.extend(order.iter().map(|&i| match totals[i] {
-            Some(_) => (i, keys(i).min(j0 + tile).max(j0)),
-            None => (i, j0),
+            Some(_) => span(i, j0),
+            None => (i, j0, j0),
         }));
         let vt = widen::<V, E>(&vh[j0 * hd..most.min(j0 + tile) * hd], &mut wide);
         let next = &vh[most.min(j0 + tile) * hd..most.min(j0 + 2 * tile) * hd];
@@ -376,7 +411,7 @@ unsafe fn score_tile<V: Lanes>(
     qs: &[f32],
     kt: &[f32],
     scale: f32,
-    ends: &[(usize, usize)],
+    ends: &[(usize, usize, usize)],
     j0: usize,
     scores: &mut [f32],
     width: usize,
@@ -388,11 +423,13 @@ unsafe fn score_tile<V: Lanes>(
     let mut at = 0;
     while at < ends.len() {
         ahead.step();
-        let (i, e) = ends[at];
-        let mut j = j0;
+        let (i, s, e) = ends[at];
+        let mut j = s;
         // The next item, where it is over the same keys and can share them.
-        let pair = ends.get(at + 1).filter(|&&(_, e2)| can_pair && e2 == e);
-        if let Some(&(i2, _)) = pair {
+        let pair = ends
+            .get(at + 1)
+            .filter(|&&(_, s2, e2)| can_pair && s2 == s && e2 == e);
+        if let Some(&(i2, _, _)) = pair {
             while j + 8 <= e {
                 let acc = key_lanes_two::<V>(qrow(i), qrow(i2), kt.as_ptr().add((j - j0) * hd));
                 let mut both = [0.0f32; 16];
@@ -403,7 +440,7 @@ unsafe fn score_tile<V: Lanes>(
             }
         }
         let n = 1 + usize::from(pair.is_some());
-        for &(r, _) in &ends[at..at + n] {
+        for &(r, _, _) in &ends[at..at + n] {
             if j < e {
                 dots::<V>(
                     qrow(r),
@@ -418,9 +455,9 @@ unsafe fn score_tile<V: Lanes>(
 }
 
 /// Continues the even and odd chains of a bundle's items (`chains`: per item, even then odd,
-/// hd each) over a tile's keys (`vt`, from key j0), item i over keys `j0..e` for each `(i, e)`
-/// of `ends`, its weights in row i of `scores`. Up to ITEMS_PER_LOAD neighbours in `ends` over
-/// the same keys go together and share each value loaded.
+/// hd each) over a tile's keys (`vt`, from key j0), item i over keys `s..e` for each
+/// `(i, s, e)` of `ends` (s even), its weights in row i of `scores`. Up to ITEMS_PER_LOAD
+/// neighbours in `ends` over the same keys go together and share each value loaded.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn value_tile<V: Lanes>(
@@ -428,7 +465,7 @@ unsafe fn value_tile<V: Lanes>(
     width: usize,
     vt: &[f32],
     hd: usize,
-    ends: &[(usize, usize)],
+    ends: &[(usize, usize, usize)],
     j0: usize,
     chains: &mut [f32],
     mut ahead: Ahead,
@@ -437,31 +474,25 @@ unsafe fn value_tile<V: Lanes>(
     let mut at = 0;
     while at < ends.len() {
         ahead.step();
-        let e = ends[at].1;
+        let (_, s, e) = ends[at];
         let n = ends[at..]
             .iter()
             .take(ITEMS_PER_LOAD)
-            .take_while(|&&(_, x)| x == e)
+            .take_while(|&&(_, s2, e2)| s2 == s && e2 == e)
             .count();
         let group = &ends[at..at + n];
-        let vt = &vt[..(e - j0) * hd];
+        let vt = &vt[(s - j0) * hd..(e - j0) * hd];
         let cp = chains.as_mut_ptr();
-        if e > j0 && V::WIDE && n == ITEMS_PER_LOAD && chunks.is_multiple_of(4) {
-            let ps = std::array::from_fn(|r| scores[group[r].0 * width + j0..].as_ptr());
+        if e > s && V::WIDE && n == ITEMS_PER_LOAD && chunks.is_multiple_of(4) {
+            let ps = std::array::from_fn(|r| scores[group[r].0 * width + s..].as_ptr());
             let states = std::array::from_fn(|r| cp.add(group[r].0 * 2 * hd));
             for c0 in (0..chunks).step_by(4) {
-                accumulate_items::<V, ITEMS_PER_LOAD, 4>(&ps, e - j0, vt, hd, c0, &states);
+                accumulate_items::<V, ITEMS_PER_LOAD, 4>(&ps, e - s, vt, hd, c0, &states);
             }
-        } else if e > j0 {
-            for &(r, _) in group {
+        } else if e > s {
+            for &(r, _, _) in group {
                 let state = &mut chains[r * 2 * hd..(r + 1) * 2 * hd];
-                accumulate::<V>(
-                    &scores[r * width + j0..r * width + e],
-                    vt,
-                    hd,
-                    chunks,
-                    state,
-                );
+                accumulate::<V>(&scores[r * width + s..r * width + e], vt, hd, chunks, state);
             }
         }
         at += n;
@@ -559,7 +590,7 @@ unsafe fn items_one_by_one<V: Lanes, E: Elem>(
     let hd = d.head_dim;
     let group = d.heads / d.kv_heads;
     let head_len = d.capacity * hd;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = d.scale();
     // Scores padded to whole lanes: padding repeats a real score while the maximum is taken,
     // then is -inf, whose weight is 0.
     let width = (d.pos + d.rows).next_multiple_of(LANES);
@@ -570,13 +601,15 @@ unsafe fn items_one_by_one<V: Lanes, E: Elem>(
         let item = first + n;
         let (h, t) = (item / d.rows, item % d.rows);
         let kv = h / group;
-        let keys = d.pos + t + 1;
+        let (lo, hi, skip) = d.keys(t);
+        let keys = hi - lo;
         let qrow = &q[item * hd..(item + 1) * hd];
-        let kh = widen::<V, E>(&k[kv * head_len..kv * head_len + keys * hd], &mut wide_k);
-        let vh = widen::<V, E>(&v[kv * head_len..kv * head_len + keys * hd], &mut wide_v);
+        let (k0, k1) = (kv * head_len + lo * hd, kv * head_len + hi * hd);
+        let kh = widen::<V, E>(&k[k0..k1], &mut wide_k);
+        let vh = widen::<V, E>(&v[k0..k1], &mut wide_v);
         let padded = &mut scores[..keys.next_multiple_of(LANES)];
         dots::<V>(qrow, kh, scale, &mut padded[..keys]);
-        let Some(total) = softmax_weights::<V>(padded, keys) else {
+        let Some(total) = softmax_weights::<V>(padded, keys, skip) else {
             o.fill(f32::NAN);
             continue;
         };
@@ -587,12 +620,15 @@ unsafe fn items_one_by_one<V: Lanes, E: Elem>(
     }
 }
 
-/// padded[..keys] (scores) -> e^(s - max) in place, the rest -> 0; their sum. None if a score
-/// is not finite.
+/// padded[..keys] (scores) -> e^(s - max) in place, the rest -> 0; their sum. With `skip`, the
+/// first key is outside the window: its weight is 0 too, and its score is not read. None if a
+/// score is not finite.
 #[inline(always)]
-unsafe fn softmax_weights<V: Lanes>(padded: &mut [f32], keys: usize) -> Option<f32> {
+unsafe fn softmax_weights<V: Lanes>(padded: &mut [f32], keys: usize, skip: bool) -> Option<f32> {
     let (real, pad) = padded.split_at_mut(keys);
-    pad.fill(real[0]);
+    let first = usize::from(skip);
+    pad.fill(real[first]);
+    real[0] = real[first];
     // s · 0 is 0 for finite s and NaN for NaN or ±inf; max is exact in any order.
     let zero = V::zero();
     let mut probe = V::zero();
@@ -610,6 +646,9 @@ unsafe fn softmax_weights<V: Lanes>(padded: &mut [f32], keys: usize) -> Option<f
     top.store(m.as_mut_ptr());
     let m = V::splat(m.iter().copied().fold(f32::NEG_INFINITY, f32::max));
     padded[keys..].fill(f32::NEG_INFINITY);
+    if skip {
+        padded[0] = f32::NEG_INFINITY;
+    }
     let mut total = V::zero();
     let minus_one = V::splat(-1.0);
     for c in (0..padded.len()).step_by(LANES) {
@@ -704,12 +743,22 @@ pub(crate) mod tests {
                 let item = h * d.rows + t;
                 let base = (h / g) * d.capacity * hd;
                 let keys = d.pos + t + 1;
+                let first = if d.window == 0 {
+                    0
+                } else {
+                    keys.saturating_sub(d.window)
+                };
+                let scale = d.scale.map_or(1.0 / (hd as f64).sqrt(), f64::from);
                 let s: Vec<f64> = (0..keys)
                     .map(|j| {
-                        (0..hd)
+                        let dot = (0..hd)
                             .map(|x| f64::from(q[item * hd + x]) * f64::from(k[base + j * hd + x]))
-                            .sum::<f64>()
-                            / (hd as f64).sqrt()
+                            .sum::<f64>();
+                        if j < first {
+                            f64::NEG_INFINITY
+                        } else {
+                            dot * scale
+                        }
                     })
                     .collect();
                 let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -756,9 +805,10 @@ pub(crate) mod tests {
         fn matches_f64_reference(
             rows in 1usize..6, kv in 1usize..4, g in 1usize..4, hd in 1usize..40,
             pos in 0usize..70, spare in 0usize..5, seed in 0u64..1000,
+            window in prop_oneof![Just(0usize), 1usize..40], scale in prop::option::of(0.05f32..0.5),
         ) {
             let d = Dims { rows, heads: kv * g, kv_heads: kv, head_dim: hd,
-                           capacity: pos + rows + spare, pos };
+                           capacity: pos + rows + spare, pos, window, scale };
             let (q, k, v) = case(&d, seed);
             let want = reference(&q, &k, &v, &d);
             let got = run(&q, &k, &v, &d, Path::best());
@@ -778,6 +828,8 @@ pub(crate) mod tests {
             head_dim: 64,
             capacity: 600,
             pos: 500,
+            window: 0,
+            scale: None,
         };
         let (q, k, v) = case(&d, 7);
         let many = run(&q, &k, &v, &d, Path::best());
@@ -818,6 +870,8 @@ pub(crate) mod tests {
                 head_dim,
                 capacity: 170,
                 pos: 150,
+                window: 0,
+                scale: None,
             };
             let (q, k, v) = case(&d, 5);
             let mut alone = vec![0.0f32; q.len()];
@@ -841,6 +895,8 @@ pub(crate) mod tests {
             head_dim: 16,
             capacity: 40,
             pos: 30,
+            window: 0,
+            scale: None,
         };
         let (q, k, v) = case(&d, 3);
         let a = run(&q, &k, &v, &d, Path::best());
@@ -860,12 +916,74 @@ pub(crate) mod tests {
                 head_dim,
                 capacity: 300,
                 pos: 210,
+                window: 0,
+                scale: None,
             };
             let (q, k, v) = case(&d, 11);
             let portable = run(&q, &k, &v, &d, Path::Portable);
             for path in [Path::Avx2, Path::Avx512] {
                 if path.supported() {
                     assert_eq!(run(&q, &k, &v, &d, path), portable, "{path:?} {head_dim}");
+                }
+            }
+        }
+    }
+
+    /// A sliding window keeps every promise above: each path, bundles and one item at a time,
+    /// and a row of a many-row pass give the same bits, with windows that start on odd and even
+    /// keys, inside and across tiles; and the window is real (a window wider by one differs).
+    #[test]
+    fn a_window_gives_the_same_bits_on_every_path_and_row_count() {
+        for (head_dim, window) in [(64, 37), (64, 100), (128, 64), (72, 5), (64, 1)] {
+            let d = Dims {
+                rows: 9,
+                heads: 8,
+                kv_heads: 2,
+                head_dim,
+                capacity: 300,
+                pos: 210,
+                window,
+                scale: Some(0.0625),
+            };
+            let (q, k, v) = case(&d, 23);
+            let want = run(&q, &k, &v, &d, Path::Portable);
+            let mut alone = vec![0.0f32; q.len()];
+            // SAFETY: the portable build needs no CPU feature.
+            unsafe { items_one_by_one::<Portable, _>(&q, &k, &v, &mut alone, &d, 0) };
+            assert_eq!(alone, want, "{head_dim} {window}");
+            for path in [Path::Avx2, Path::Avx512] {
+                if path.supported() {
+                    assert_eq!(
+                        run(&q, &k, &v, &d, path),
+                        want,
+                        "{path:?} {head_dim} {window}"
+                    );
+                }
+            }
+            let wider = run(
+                &q,
+                &k,
+                &v,
+                &Dims {
+                    window: window + 1,
+                    ..d
+                },
+                Path::Portable,
+            );
+            assert_ne!(wider, want, "a window of {window} changed nothing");
+            for t in [0, 3, 8] {
+                let one = Dims {
+                    rows: 1,
+                    pos: d.pos + t,
+                    ..d
+                };
+                let qt: Vec<f32> = (0..d.heads)
+                    .flat_map(|h| q[(h * 9 + t) * head_dim..(h * 9 + t + 1) * head_dim].to_vec())
+                    .collect();
+                let got = run(&qt, &k, &v, &one, Path::best());
+                for h in 0..d.heads {
+                    let i = (h * 9 + t) * head_dim;
+                    assert_eq!(got[h * head_dim..(h + 1) * head_dim], want[i..i + head_dim]);
                 }
             }
         }
@@ -888,6 +1006,8 @@ pub(crate) mod tests {
                 head_dim,
                 capacity: 300,
                 pos: 210,
+                window: 0,
+                scale: None,
             };
             let (q, k, v) = case(&d, 17);
             let (kh, vh) = (halves(&k), halves(&v));
@@ -935,6 +1055,8 @@ pub(crate) mod tests {
             head_dim: 8,
             capacity: 4,
             pos: 1,
+            window: 0,
+            scale: None,
         };
         let (mut q, k, v) = case(&d, 5);
         q[8] = f32::NAN; // row 1
@@ -952,6 +1074,8 @@ pub(crate) mod tests {
             head_dim: 4,
             capacity: 4,
             pos: 0,
+            window: 0,
+            scale: None,
         };
         let mut out = vec![0.0; 24];
         assert!(attend(&[0.0; 24], &[0.0; 32], &[0.0; 32], &mut out, &d).is_err());

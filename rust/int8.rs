@@ -16,6 +16,7 @@
 
 use crate::error::Error;
 use crate::helper::Shared;
+use crate::simd::Path;
 use crate::slab::WeightBuf;
 
 /// Output rows per packed block.
@@ -61,8 +62,18 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    /// The fastest kernel this CPU runs.
+    /// The fastest kernel this CPU runs, at most the AVX2 one (`Avx2`) or the portable one
+    /// under `SPECFAST_SIMD` ([`crate::simd::simd_cap`]).
     pub fn best() -> Kernel {
+        match crate::simd::simd_cap() {
+            Some(Path::Portable) => Kernel::Scalar,
+            Some(_) if Kernel::Avx2.supported() => Kernel::Avx2,
+            _ => Kernel::detected(),
+        }
+    }
+
+    /// The fastest kernel this CPU runs.
+    fn detected() -> Kernel {
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx512f")
@@ -85,7 +96,7 @@ impl Kernel {
     pub fn supported(self) -> bool {
         match self {
             Kernel::Scalar => true,
-            Kernel::Avx2 => cfg!(target_arch = "x86_64") && Kernel::best() != Kernel::Scalar,
+            Kernel::Avx2 => cfg!(target_arch = "x86_64") && Kernel::detected() != Kernel::Scalar,
             Kernel::AvxVnni => {
                 #[cfg(target_arch = "x86_64")]
                 {
@@ -96,7 +107,7 @@ impl Kernel {
                     false
                 }
             }
-            Kernel::Avx512Vnni => Kernel::best() == Kernel::Avx512Vnni,
+            Kernel::Avx512Vnni => Kernel::detected() == Kernel::Avx512Vnni,
         }
     }
 

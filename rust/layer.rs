@@ -12,8 +12,8 @@ use crate::error::{Error, Result};
 use crate::helper;
 use crate::int8::{Kernel, Product, ROW_VALUES};
 
-/// A Llama-family layer's weights (Llama, Qwen2, Qwen3, SmolLM2): pre-norm attention with
-/// grouped kv heads and rotate-half RoPE, then a pre-norm SiLU-gated MLP.
+/// A Llama-family layer's weights (Llama, Qwen2, Qwen3, SmolLM2, Gemma 3): pre-norm attention
+/// with grouped kv heads and rotate-half RoPE, then a pre-norm gated MLP.
 pub struct Weights<'a> {
     /// (dim,) RMSNorm weight before attention.
     pub attn_norm: &'a [f32],
@@ -32,6 +32,21 @@ pub struct Weights<'a> {
     pub gate_up: &'a dyn Product,
     /// (dim, F).
     pub down: &'a dyn Product,
+    /// (dim,) RMSNorm gains on the attention's output and on the MLP's, before each is added
+    /// to the residual stream (Gemma 3), or none.
+    pub post_norms: Option<(&'a [f32], &'a [f32])>,
+    /// A local layer (Gemma 3): attention over the last `Shape::window` keys only, with the
+    /// local RoPE tables.
+    pub sliding: bool,
+}
+
+/// The MLP's gate activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    /// x · sigmoid(x) (Llama, Qwen).
+    Silu,
+    /// GELU's tanh approximation (Gemma).
+    GeluTanh,
 }
 
 /// The layer's shape, and where the pass sits in the cache.
@@ -49,6 +64,12 @@ pub struct Shape {
     pub capacity: usize,
     /// The position of the pass's first row.
     pub pos: usize,
+    /// The MLP's gate activation.
+    pub act: Act,
+    /// The attention scores' scale; None for 1/√hd.
+    pub attn_scale: Option<f32>,
+    /// Keys a sliding layer sees (its `Weights::sliding`).
+    pub window: usize,
 }
 
 /// The buffers a layer writes in full before it reads them: made once for a pass and reused by
@@ -136,6 +157,8 @@ fn forward<E: Elem>(
         head_dim: hd,
         capacity: s.capacity,
         pos: s.pos,
+        window: if w.sliding { s.window } else { 0 },
+        scale: s.attn_scale,
     };
     let heads_out = fit(&mut sc.heads_out, h * rows * hd);
     attention::attend(q, k_cache, v_cache, heads_out, &d)?;
@@ -148,6 +171,10 @@ fn forward<E: Elem>(
     }
     let proj = fit(&mut sc.proj, rows * dim);
     w.o.matmul(y, proj, kernel)?;
+    if let Some((post_attn, _)) = w.post_norms {
+        proj.chunks_exact_mut(dim)
+            .for_each(|row| rms_norm_in_place(row, post_attn, s.eps));
+    }
     add_into(x, proj);
 
     // MLP
@@ -161,11 +188,18 @@ fn forward<E: Elem>(
     helper::for_row_parts(act, ff, ROW_VALUES / ff, |range, act| {
         let gu = &gate_up[range.start * 2 * ff..range.end * 2 * ff];
         for (a, gu) in act.chunks_exact_mut(ff).zip(gu.chunks_exact(2 * ff)) {
-            attention::silu_mul(&gu[..ff], &gu[ff..], a);
+            match s.act {
+                Act::Silu => attention::silu_mul(&gu[..ff], &gu[ff..], a),
+                Act::GeluTanh => attention::gelu_tanh_mul(&gu[..ff], &gu[ff..], a),
+            }
         }
     });
     let proj = fit(&mut sc.proj, rows * dim);
     w.down.matmul(act, proj, kernel)?;
+    if let Some((_, post_ffn)) = w.post_norms {
+        proj.chunks_exact_mut(dim)
+            .for_each(|row| rms_norm_in_place(row, post_ffn, s.eps));
+    }
     add_into(x, proj);
     Ok(())
 }
@@ -232,7 +266,8 @@ const HALF_OVERFLOW: f32 = 65520.0;
 
 /// x (T, dim) <- every layer of `layers` applied in turn: `forward` for layer l over its cache
 /// (k_cache, v_cache: (L, Hkv, S, hd), layer l's part at l·Hkv·S·hd). One call for a whole pass,
-/// so that nothing runs between the layers. `features` (n, T, dim) gets, for each
+/// so that nothing runs between the layers. Sliding layers take `local`'s (cos, sin) tables
+/// where given, the others (and all without it) `cos` and `sin`. `features` (n, T, dim) gets, for each
 /// `feature_layers[j]`, the residual stream entering that layer (an EAGLE-3 head reads them).
 /// With `head`, its logits buffer (R, V) then gets [`Head::logits`] of the last R rows.
 #[allow(clippy::too_many_arguments)]
@@ -242,6 +277,7 @@ pub fn forward_layers<E: Elem>(
     s: &Shape,
     cos: &[f32],
     sin: &[f32],
+    local: Option<(&[f32], &[f32])>,
     k_cache: &mut [E],
     v_cache: &mut [E],
     feature_layers: &[usize],
@@ -271,13 +307,18 @@ pub fn forward_layers<E: Elem>(
     if let Some((h, logits)) = &head {
         h.check(x.len(), logits.len())?;
     }
+    let tables = |w: &Weights<'_>| match local {
+        Some(t) if w.sliding => t,
+        _ => (cos, sin),
+    };
     // Every layer's shapes first, so that a bad one fails before the cache changes.
     for (w, (k, v)) in layers.iter().zip(
         k_cache
             .chunks_exact(per_layer)
             .zip(v_cache.chunks_exact(per_layer)),
     ) {
-        check(x, w, s, cos, sin, k, v)?;
+        let (c, sn) = tables(w);
+        check(x, w, s, c, sn, k, v)?;
     }
     let caches = k_cache
         .chunks_exact_mut(per_layer)
@@ -287,7 +328,8 @@ pub fn forward_layers<E: Elem>(
         for (j, _) in feature_layers.iter().enumerate().filter(|&(_, &f)| f == l) {
             features[j * x.len()..(j + 1) * x.len()].copy_from_slice(x);
         }
-        forward(x, w, s, cos, sin, k, v, &mut scratch)?;
+        let (c, sn) = tables(w);
+        forward(x, w, s, c, sn, k, v, &mut scratch)?;
     }
     match head {
         Some((h, logits)) => h.logits(x, logits),
@@ -335,6 +377,16 @@ fn check<E>(
         return bad(format!(
             "ffn_norm must hold dim = {dim} values and qkv_bias {width}"
         ));
+    }
+    if w.post_norms
+        .is_some_and(|(a, f)| a.len() != dim || f.len() != dim)
+    {
+        return bad(format!(
+            "post_attn_norm and post_ffn_norm must hold dim = {dim} values"
+        ));
+    }
+    if w.sliding && s.window == 0 {
+        return bad("a sliding layer needs a window of at least one key".to_string());
     }
     if w.qk_norm
         .is_some_and(|(q, k)| q.len() != hd || k.len() != hd)
@@ -432,6 +484,7 @@ mod tests {
             s,
             cos,
             sin,
+            None,
             k,
             v,
             &[],
@@ -448,6 +501,8 @@ mod tests {
         ffn_norm: Vec<f32>,
         gate_up: Box<dyn Product>,
         down: Box<dyn Product>,
+        post_norms: Option<(Vec<f32>, Vec<f32>)>,
+        sliding: bool,
     }
 
     impl Layer {
@@ -461,6 +516,8 @@ mod tests {
                 ffn_norm: &self.ffn_norm,
                 gate_up: self.gate_up.as_ref(),
                 down: self.down.as_ref(),
+                post_norms: self.post_norms.as_ref().map(|(a, f)| (&a[..], &f[..])),
+                sliding: self.sliding,
             }
         }
     }
@@ -485,6 +542,9 @@ mod tests {
         eps: 1e-5,
         capacity: 40,
         pos: 0,
+        act: Act::Silu,
+        attn_scale: None,
+        window: 0,
     };
 
     /// A layer of random weights, int8 or (`four_bit`) Q4_1.
@@ -506,6 +566,8 @@ mod tests {
             ffn_norm: values(DIM, 4, 1.0).iter().map(|v| 1.0 + v).collect(),
             gate_up: m(2 * 40, DIM, 5),
             down: m(DIM, 40, 6),
+            post_norms: None,
+            sliding: false,
         }
     }
 
@@ -520,21 +582,153 @@ mod tests {
         cache: &mut (Vec<f32>, Vec<f32>),
         capacity: usize,
     ) {
-        let rows = x.len() / DIM;
-        let w = l.weights();
-        let angle = |p: usize, i: usize| p as f32 / 10f32.powf((i % 6) as f32 / 6.0);
-        let cos: Vec<f32> = (0..rows * 12)
-            .map(|j| angle(pos + j / 12, j % 12).cos())
-            .collect();
-        let sin: Vec<f32> = (0..rows * 12)
-            .map(|j| angle(pos + j / 12, j % 12).sin())
-            .collect();
         let s = Shape {
             capacity,
             pos,
             ..SHAPE
         };
-        one_layer(x, &w, &s, [&cos, &sin], (&mut cache.0, &mut cache.1)).unwrap();
+        run_shaped(l, x, &s, cache, 10.0);
+    }
+
+    /// The RoPE tables (cos, sin) of T rows from `pos`, for a base of `base`.
+    fn tables(rows: usize, pos: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
+        let angle = |p: usize, i: usize| p as f32 / base.powf((i % 6) as f32 / 6.0);
+        let cos = (0..rows * 12)
+            .map(|j| angle(pos + j / 12, j % 12).cos())
+            .collect();
+        let sin = (0..rows * 12)
+            .map(|j| angle(pos + j / 12, j % 12).sin())
+            .collect();
+        (cos, sin)
+    }
+
+    fn run_shaped(
+        l: &Layer,
+        x: &mut [f32],
+        s: &Shape,
+        cache: &mut (Vec<f32>, Vec<f32>),
+        base: f32,
+    ) {
+        let (cos, sin) = tables(x.len() / DIM, s.pos, base);
+        one_layer(
+            x,
+            &l.weights(),
+            s,
+            [&cos, &sin],
+            (&mut cache.0, &mut cache.1),
+        )
+        .unwrap();
+    }
+
+    /// A Gemma 3 layer: q/k norms, post-norms, GELU, the query scale and a window of 4 keys.
+    fn gemma() -> (Layer, Shape) {
+        let mut l = with_qk_norm(layer(false));
+        let gain = |seed| values(DIM, seed, 1.0).iter().map(|v| 1.0 + v).collect();
+        l.post_norms = Some((gain(14), gain(15)));
+        l.sliding = true;
+        let s = Shape {
+            act: Act::GeluTanh,
+            attn_scale: Some(0.2),
+            window: 4,
+            ..SHAPE
+        };
+        (l, s)
+    }
+
+    fn gemma_pass(l: &Layer, s: &Shape, x: &[f32]) -> Vec<f32> {
+        let n = 2 * 40 * 12;
+        let mut y = x.to_vec();
+        run_shaped(l, &mut y, s, &mut (vec![0.0; n], vec![0.0; n]), 10.0);
+        y
+    }
+
+    /// Gemma 3's layer: a pass over 9 rows (past its window of 4) equals 9 one-row passes bit
+    /// for bit, and each part of it changes the output (a layer that dropped one would not).
+    #[test]
+    fn gemma_rows_are_independent_and_each_part_matters() {
+        let (g, s) = gemma();
+        let n = 2 * 40 * 12;
+        let x = values(9 * DIM, 21, 2.0);
+        let mut whole = x.clone();
+        let mut cache = (vec![0.0; n], vec![0.0; n]);
+        run_shaped(&g, &mut whole, &Shape { pos: 2, ..s }, &mut cache, 10.0);
+        let mut cache2 = (vec![0.0; n], vec![0.0; n]);
+        for t in 0..9 {
+            let mut r = x[t * DIM..(t + 1) * DIM].to_vec();
+            run_shaped(&g, &mut r, &Shape { pos: 2 + t, ..s }, &mut cache2, 10.0);
+            assert_eq!(r, whole[t * DIM..(t + 1) * DIM], "row {t}");
+        }
+        assert_eq!(cache, cache2);
+        let want = gemma_pass(&g, &s, &x);
+        let (mut no_post, mut global) = (gemma().0, gemma().0);
+        no_post.post_norms = None;
+        global.sliding = false;
+        assert_ne!(gemma_pass(&no_post, &s, &x), want, "post norms");
+        assert_ne!(gemma_pass(&global, &s, &x), want, "window");
+        let silu = Shape {
+            act: Act::Silu,
+            ..s
+        };
+        assert_ne!(gemma_pass(&g, &silu, &x), want, "GELU");
+        let scale = Shape {
+            attn_scale: None,
+            ..s
+        };
+        assert_ne!(gemma_pass(&g, &scale, &x), want, "query scale");
+    }
+
+    /// Sliding layers read the local RoPE tables and the others the global ones; a sliding
+    /// layer needs a window.
+    #[test]
+    fn local_tables_reach_the_sliding_layers_only() {
+        let (g, s) = gemma();
+        let mut global = gemma().0;
+        global.sliding = false;
+        let n = 2 * 40 * 12;
+        let x = values(5 * DIM, 22, 2.0);
+        let (cos, sin) = tables(5, 0, 10.0);
+        let (lcos, lsin) = tables(5, 0, 3.0);
+        let run = |l: &Layer, local: Option<(&[f32], &[f32])>| {
+            let mut y = x.clone();
+            let (mut k, mut v) = (vec![0.0; n], vec![0.0; n]);
+            let ws = [l.weights()];
+            forward_layers(
+                &mut y,
+                &ws,
+                &s,
+                &cos,
+                &sin,
+                local,
+                &mut k,
+                &mut v,
+                &[],
+                &mut [],
+                None,
+            )
+            .unwrap();
+            y
+        };
+        let local = Some((&lcos[..], &lsin[..]));
+        assert_ne!(run(&g, local), run(&g, None));
+        assert_eq!(run(&global, local), run(&global, None));
+        let mut y = x.clone();
+        let (mut k, mut v) = (vec![0.0; n], vec![0.0; n]);
+        let no_window = Shape { window: 0, ..s };
+        let err = forward_layers(
+            &mut y,
+            &[g.weights()],
+            &no_window,
+            &cos,
+            &sin,
+            None,
+            &mut k,
+            &mut v,
+            &[],
+            &mut [],
+            None,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("window"), "{err}");
     }
 
     /// A pass long enough that its norms, activation rounding and SiLU go to both threads in
@@ -657,6 +851,7 @@ mod tests {
             &s,
             &c,
             &sn,
+            None,
             &mut k,
             &mut v,
             &[2, 1],
@@ -697,7 +892,7 @@ mod tests {
         macro_rules! stack {
             ($k:expr, $cos:expr, $layers:expr, $f:expr, $head:expr) => {
                 forward_layers(
-                    &mut x, &ws, &SHAPE, $cos, &c, $k, &mut v, $layers, $f, $head,
+                    &mut x, &ws, &SHAPE, $cos, &c, None, $k, &mut v, $layers, $f, $head,
                 )
             };
         }
@@ -779,7 +974,19 @@ mod tests {
         let mut x = values(DIM, 7, 2.0);
         let (mut k, mut v) = (vec![f16::ZERO; n], vec![f16::ZERO; n]);
         let pass = |l: &Layer, x: &mut [f32], k: &mut [f16], v: &mut [f16]| {
-            forward_layers(x, &[l.weights()], &SHAPE, &c, &c, k, v, &[], &mut [], None)
+            forward_layers(
+                x,
+                &[l.weights()],
+                &SHAPE,
+                &c,
+                &c,
+                None,
+                k,
+                v,
+                &[],
+                &mut [],
+                None,
+            )
         };
         pass(&l, &mut x, &mut k, &mut v).unwrap();
         assert!(k.iter().any(|h| h.to_f32() != 0.0));

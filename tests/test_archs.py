@@ -1,6 +1,7 @@
 """Architectures beyond Llama and Qwen2, each against transformers on a tiny random model made
-in the test: logits from an HF folder and from a GGUF, through every way a pass runs (the core,
-torch's eager layers), each with a negative control that drops what the architecture adds."""
+in the test: logits from an HF folder and from a GGUF, through both ways a float32 pass runs on
+CPU (the core, torch's eager layers), each with a negative control that drops what the
+architecture adds."""
 
 from __future__ import annotations
 
@@ -37,9 +38,8 @@ def load(kind, tmp_path, source, **overrides):
 
 
 def through(model, way: str):
-    """The model set to run its passes `way`: "core" (one call into the Rust core), "eager"
-    (torch's layers with oneDNN-packed matrices: Gemma 3's float32 passes) or "eager-plain"
-    (torch's layers on the plain weights)."""
+    """The model set to run its passes `way`: "core" (one call into the Rust core) or
+    "eager-plain" (torch's layers on the plain weights)."""
     model.prepack = way != "eager-plain"
     model.unpack()
     assert model.in_core == (way == "core")
@@ -82,12 +82,12 @@ def test_qwen3_speculative_greedy_is_plain_greedy(tmp_path):
 # ----------------------------------------------------------------------------
 # Gemma 3 (text): the embedding scaled by sqrt(dim), RMSNorm with 1 + w, norms before and after
 # attention and the MLP, GELU(tanh), q/k norms, sliding-window layers with their own RoPE base
-# between global ones, the query scale from the config. torch runs its passes (not the core).
+# between global ones, the query scale from the config.
 
 GEMMA_IDS = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(12))
 
 
-@pytest.mark.parametrize("way", ["eager", "eager-plain"])
+@pytest.mark.parametrize("way", ["core", "eager-plain"])
 def test_gemma3_matches_transformers(tmp_path, way):
     hf_model, model = load("gemma3", tmp_path, "hf")
     c = model.config
@@ -101,7 +101,7 @@ def test_gemma3_from_gguf_matches_transformers(tmp_path):
     # llama.cpp's GGUF has no query scale; it uses 1/sqrt(head_dim), as this model does
     hf_model, model = load("gemma3", tmp_path, "gguf", query_pre_attn_scalar=16)
     assert model.config.sliding_layers == (0, 1, 2, 3, 4) and model.config.attn_scale is None
-    out = passes(through(model, "eager"), GEMMA_IDS)
+    out = passes(through(model, "core"), GEMMA_IDS)
     torch.testing.assert_close(out, reference(hf_model, GEMMA_IDS), atol=1e-4, rtol=1e-4)
 
 
@@ -116,13 +116,14 @@ GEMMA_BUGS = {
 }
 
 
+@pytest.mark.parametrize("way", ["core", "eager-plain"])
 @pytest.mark.parametrize("bug", sorted(GEMMA_BUGS))
-def test_negative_control_gemma3_without_each_of_its_parts_is_caught(tmp_path, bug):
+def test_negative_control_gemma3_without_each_of_its_parts_is_caught(tmp_path, bug, way):
     hf_model, model = load("gemma3", tmp_path, "hf")
     for name, value in GEMMA_BUGS[bug].items():
         setattr(model.config, name, value)
     model._rope_cache = {}
-    out = passes(through(model, "eager"), GEMMA_IDS)
+    out = passes(through(model, way), GEMMA_IDS)
     assert not torch.allclose(out, reference(hf_model, GEMMA_IDS), atol=1e-2, rtol=1e-2)
 
 
@@ -143,28 +144,32 @@ def test_gemma3_refuses_compiled_steps_clearly(tmp_path):
         model.compile_steps()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("weights", ["int8", "q4"])
-def test_gemma3_quantized_weights_run_in_torch_around_the_cores_products(tmp_path, weights):
-    """int8 and q4 matrices run in the core's kernels, the rest of a Gemma 3 layer in torch:
-    int8 close to the float model, with the sliding window applied in the row-by-row attention
-    of such passes (dropping it costs much more than quantizing), and speculative = plain."""
+def test_gemma3_quantized_weights(tmp_path, weights, dtype):
+    """int8 and q4 matrices: in float32 the whole pass runs in the core; in bfloat16 torch runs
+    the layers around the core's matrix products, attending row by row. int8 comes out close
+    to the float model, with the sliding window applied (dropping it costs much more than
+    quantizing), and speculative = plain."""
     hf_model, model = load("gemma3", tmp_path, "hf")
     ref = reference(hf_model, GEMMA_IDS)
-    model.quantize_int8(weights)
-    assert model.int8 and not model.in_core
+    model.to(getattr(torch, dtype)).quantize_int8(weights)
+    assert model.int8 and model.in_core == (dtype == "float32")
 
     def error():
-        dec = model.decoder(64)  # one-row passes past the window: the row-by-row attention
+        model.unpack()  # the core's stack again, from the config as it is now
+        dec = model.decoder(64)  # one-row passes past the window
         out = torch.cat(
             [dec.forward(GEMMA_IDS[:8])] + [dec.forward(t[None]) for t in GEMMA_IDS[8:]]
         )
-        return (out - ref).abs().max().item()
+        return (out.float() - ref).abs().max().item()
 
     if weights == "int8":  # (q4 of a tiny random model is too coarse for this comparison)
         err = error()
         model.config.sliding_layers = ()  # the control: the window dropped
         assert err < 0.5 * error()
         model.config.sliding_layers = (0, 1, 2, 3, 4)
+        model.unpack()
     prompt = GEMMA_IDS[:10].tolist() * 3
     plain = specfast.generate(model, prompt, max_new_tokens=24, drafter=None, ignore_eos=True)
     for k in (1, 4):

@@ -121,7 +121,9 @@ class CoreLayers:
     """A model's int8, 4-bit or float32 layers and its head, run over a pass in one call.
     layers: per layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down); norm and
     output: the final norm and the vocabulary projection; qk_norms: per layer (q_norm, k_norm),
-    applied to every query and key head before RoPE (Qwen3), or None."""
+    applied to every query and key head before RoPE (Qwen3, Gemma 3), or None. Gemma 3's:
+    post_norms per layer (post_attn_norm, post_ffn_norm), act "gelu_tanh", attn_scale, and
+    sliding_layers that see only their last `window` keys."""
 
     def __new__(
         cls,
@@ -132,6 +134,11 @@ class CoreLayers:
         output: _Matrix,
         *,
         qk_norms: Sequence[tuple[_Float32, _Float32]] | None = None,
+        post_norms: Sequence[tuple[_Float32, _Float32]] | None = None,
+        act: str = "silu",
+        attn_scale: float | None = None,
+        sliding_layers: Sequence[int] = ...,
+        window: int = 0,
     ) -> CoreLayers: ...
     def forward(
         self,
@@ -144,6 +151,7 @@ class CoreLayers:
         feature_layers: Sequence[int] = ...,
         features: _Float32 | None = None,
         logits: _Float32 | None = None,
+        local: tuple[_Float32, _Float32] | None = None,
     ) -> None: ...
     def __len__(self) -> int: ...
 

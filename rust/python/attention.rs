@@ -57,6 +57,8 @@ fn row_attention(
         head_dim: qs[2],
         capacity: ks[1],
         pos,
+        window: 0,
+        scale: None,
     };
     let (q, k, v) = (slice("q", &q)?, slice("k", &k)?, slice("v", &v)?);
     let contiguous_out = out.is_c_contiguous();

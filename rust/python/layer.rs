@@ -15,7 +15,7 @@ use super::int8::PyInt8Matrix;
 use super::q4::PyQ4Matrix;
 use crate::attention::Elem;
 use crate::int8::Product;
-use crate::layer::{self, Head, Shape, Weights};
+use crate::layer::{self, Act, Head, Shape, Weights};
 
 fn contiguous_error(name: &str) -> PyErr {
     PyValueError::new_err(format!("{name} must be a C-contiguous array"))
@@ -84,6 +84,8 @@ struct Layer {
     ffn_norm: Vec<f32>,
     gate_up: Matrix,
     down: Matrix,
+    post_norms: Option<(Vec<f32>, Vec<f32>)>,
+    sliding: bool,
 }
 
 impl Layer {
@@ -97,6 +99,8 @@ impl Layer {
             ffn_norm: &self.ffn_norm,
             gate_up: self.gate_up.product(),
             down: self.down.product(),
+            post_norms: self.post_norms.as_ref().map(|(a, f)| (&a[..], &f[..])),
+            sliding: self.sliding,
         }
     }
 }
@@ -111,7 +115,8 @@ type LayerArgs<'py> = (
     Bound<'py, PyAny>,
 );
 
-type QkNorm<'py> = (PyReadonlyArray1<'py, f32>, PyReadonlyArray1<'py, f32>);
+/// Two (n,) gains of a layer: (q_norm, k_norm) or (post_attn_norm, post_ffn_norm).
+type NormPair<'py> = (PyReadonlyArray1<'py, f32>, PyReadonlyArray1<'py, f32>);
 
 /// A model's int8, 4-bit or float32 layers and its head (final norm and output matrix), run
 /// over a pass in one call with the interpreter released. It holds the weight matrices and copies of the
@@ -123,6 +128,9 @@ pub struct PyCoreLayers {
     eps: f32,
     norm: Vec<f32>,
     output: Matrix,
+    act: Act,
+    attn_scale: Option<f32>,
+    window: usize,
 }
 
 #[pymethods]
@@ -132,24 +140,60 @@ impl PyCoreLayers {
     /// norms and bias float32 arrays, the others Int8Matrix, Q4Matrix or FloatMatrix; heads:
     /// query heads; norm (dim,) and output (V, dim): the final norm and the vocabulary
     /// projection. qk_norms: per layer (q_norm, k_norm), each (hd,), applied to every query
-    /// and key head before RoPE (Qwen3), or None.
+    /// and key head before RoPE (Qwen3, Gemma 3), or None. Gemma 3's: post_norms, per layer
+    /// (post_attn_norm, post_ffn_norm), each (dim,); act "gelu_tanh" (else "silu");
+    /// attn_scale, the scores' scale (None: 1/sqrt(hd)); sliding_layers, the layers that see
+    /// only their last `window` keys (with `forward`'s local RoPE tables).
     #[new]
-    #[pyo3(signature = (layers, heads, eps, norm, output, *, qk_norms=None))]
+    #[pyo3(signature = (layers, heads, eps, norm, output, *, qk_norms=None, post_norms=None, act="silu", attn_scale=None, sliding_layers=Vec::new(), window=0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         layers: Vec<LayerArgs<'_>>,
         heads: usize,
         eps: f32,
         norm: PyReadonlyArray1<'_, f32>,
         output: &Bound<'_, PyAny>,
-        qk_norms: Option<Vec<QkNorm<'_>>>,
+        qk_norms: Option<Vec<NormPair<'_>>>,
+        post_norms: Option<Vec<NormPair<'_>>>,
+        act: &str,
+        attn_scale: Option<f32>,
+        sliding_layers: Vec<usize>,
+        window: usize,
     ) -> PyResult<Self> {
         let copy = |name: &str, a: &PyReadonlyArray1<'_, f32>| -> PyResult<Vec<f32>> {
             Ok(a.as_slice().map_err(|_| contiguous_error(name))?.to_vec())
         };
-        if qk_norms.as_ref().is_some_and(|n| n.len() != layers.len()) {
+        for (name, pairs) in [("qk_norms", &qk_norms), ("post_norms", &post_norms)] {
+            if pairs.as_ref().is_some_and(|n| n.len() != layers.len()) {
+                return Err(PyValueError::new_err(format!(
+                    "{name} must hold one pair per layer ({})",
+                    layers.len()
+                )));
+            }
+        }
+        let act = match act {
+            "silu" => Act::Silu,
+            "gelu_tanh" => Act::GeluTanh,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "act must be \"silu\" or \"gelu_tanh\", got {other:?}"
+                )))
+            }
+        };
+        if let Some(&bad) = sliding_layers.iter().find(|&&l| l >= layers.len()) {
             return Err(PyValueError::new_err(format!(
-                "qk_norms must hold one (q_norm, k_norm) pair per layer ({})",
+                "sliding layer {bad} is out of range for {} layers",
                 layers.len()
+            )));
+        }
+        if !sliding_layers.is_empty() && window == 0 {
+            return Err(PyValueError::new_err(
+                "sliding_layers need a window of at least one key",
+            ));
+        }
+        if attn_scale.is_some_and(|a| !a.is_finite() || a <= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "attn_scale must be a positive finite number, got {attn_scale:?}"
             )));
         }
         let layers = layers
@@ -158,6 +202,13 @@ impl PyCoreLayers {
             .map(|(i, (attn, qkv, bias, o, ffn, gate_up, down))| {
                 let qk_norm = match &qk_norms {
                     Some(n) => Some((copy("q_norm", &n[i].0)?, copy("k_norm", &n[i].1)?)),
+                    None => None,
+                };
+                let post = match &post_norms {
+                    Some(n) => Some((
+                        copy("post_attn_norm", &n[i].0)?,
+                        copy("post_ffn_norm", &n[i].1)?,
+                    )),
                     None => None,
                 };
                 Ok(Layer {
@@ -169,6 +220,8 @@ impl PyCoreLayers {
                     ffn_norm: copy("ffn_norm", ffn)?,
                     gate_up: Matrix::new("gate_up", gate_up)?,
                     down: Matrix::new("down", down)?,
+                    post_norms: post,
+                    sliding: sliding_layers.contains(&i),
                 })
             })
             .collect::<PyResult<Vec<Layer>>>()?;
@@ -178,15 +231,18 @@ impl PyCoreLayers {
             eps,
             norm: copy("norm", &norm)?,
             output: Matrix::new("output", output)?,
+            act,
+            attn_scale,
+            window,
         })
     }
 
     /// x (T, dim) <- every layer applied in turn, in place; writes the T new keys and values
     /// into k_cache, v_cache (L, Hkv, S, hd), both float32 or both float16, at pos. cos, sin:
     /// (T, hd). features (n, T, dim), if given, gets the residual stream entering each of
-    /// feature_layers; logits (R, V), if given, the head's logits for the last R rows. Each row
-    /// is computed on its own.
-    #[pyo3(signature = (x, cos, sin, k_cache, v_cache, pos, feature_layers=Vec::new(), features=None, logits=None))]
+    /// feature_layers; logits (R, V), if given, the head's logits for the last R rows. local:
+    /// the sliding layers' (cos, sin), if they differ. Each row is computed on its own.
+    #[pyo3(signature = (x, cos, sin, k_cache, v_cache, pos, feature_layers=Vec::new(), features=None, logits=None, local=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -200,8 +256,9 @@ impl PyCoreLayers {
         feature_layers: Vec<usize>,
         features: Option<PyReadwriteArray3<'_, f32>>,
         logits: Option<PyReadwriteArray2<'_, f32>>,
+        local: Option<(PyReadonlyArray2<'_, f32>, PyReadonlyArray2<'_, f32>)>,
     ) -> PyResult<()> {
-        let args = (x, cos, sin, pos, feature_layers, features, logits);
+        let args = (x, cos, sin, local, pos, feature_layers, features, logits);
         if let Some((k, v)) = caches::<f32>(k_cache, v_cache)? {
             return self.run(py, k, v, args);
         }
@@ -222,6 +279,7 @@ type PassArgs<'py> = (
     PyReadwriteArray2<'py, f32>,
     PyReadonlyArray2<'py, f32>,
     PyReadonlyArray2<'py, f32>,
+    Option<(PyReadonlyArray2<'py, f32>, PyReadonlyArray2<'py, f32>)>,
     usize,
     Vec<usize>,
     Option<PyReadwriteArray3<'py, f32>>,
@@ -252,7 +310,7 @@ impl PyCoreLayers {
         mut v_cache: PyReadwriteArray4<'_, E>,
         args: PassArgs<'_>,
     ) -> PyResult<()> {
-        let (mut x, cos, sin, pos, feature_layers, mut features, mut logits) = args;
+        let (mut x, cos, sin, local, pos, feature_layers, mut features, mut logits) = args;
         let ks = k_cache.shape().to_vec();
         if v_cache.shape() != ks.as_slice() {
             return Err(PyValueError::new_err(format!(
@@ -267,9 +325,16 @@ impl PyCoreLayers {
             eps: self.eps,
             capacity: ks[2],
             pos,
+            act: self.act,
+            attn_scale: self.attn_scale,
+            window: self.window,
         };
         let weights: Vec<Weights<'_>> = self.layers.iter().map(Layer::weights).collect();
         let (cos, sin) = (slice!("cos", cos), slice!("sin", sin));
+        let local = match &local {
+            Some((c, s)) => Some((slice!("local cos", c), slice!("local sin", s))),
+            None => None,
+        };
         let x = slice_mut!("x", x);
         let k = slice_mut!("k_cache", k_cache);
         let v = slice_mut!("v_cache", v_cache);
@@ -301,6 +366,7 @@ impl PyCoreLayers {
                 &shape,
                 cos,
                 sin,
+                local,
                 k,
                 v,
                 &feature_layers,

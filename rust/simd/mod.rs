@@ -17,7 +17,8 @@ mod products;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;
 
-pub use products::{dot_product, silu_mul};
+pub use products::{dot_product, gelu_tanh_mul, silu_mul};
+
 pub(crate) use products::{dot_rows, dots, key_lanes_two};
 
 /// Independent accumulators per sum (one AVX-512 register, two AVX2 ones).
@@ -34,21 +35,32 @@ pub enum Path {
     Portable,
 }
 
+/// The build the environment variable `SPECFAST_SIMD` caps every product at ("avx2" or
+/// "portable"), read once: to run an AVX-512 CPU's passes through the AVX2 or portable build and
+/// see that they give the same bits. None when it is unset (or names another build).
+pub fn simd_cap() -> Option<Path> {
+    static CAP: std::sync::OnceLock<Option<Path>> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| match std::env::var("SPECFAST_SIMD").ok()?.as_str() {
+        "avx2" => Some(Path::Avx2),
+        "portable" => Some(Path::Portable),
+        _ => None,
+    })
+}
+
 impl Path {
-    /// The fastest build this CPU runs.
+    /// The fastest build this CPU runs (at most `simd_cap`'s).
     pub fn best() -> Path {
+        let cap = simd_cap();
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if cap.is_none() && std::arch::is_x86_feature_detected!("avx512f") {
                 return Path::Avx512;
             }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
+            if cap != Some(Path::Portable) && Path::Avx2.supported() {
                 return Path::Avx2;
             }
         }
+        let _ = cap;
         Path::Portable
     }
 
@@ -252,6 +264,42 @@ mod tests {
         assert_eq!(exp(0.0).to_bits(), 1.0f32.to_bits());
         assert_eq!(exp(-100.0).to_bits(), 0.0f32.to_bits());
         assert!(exp(1000.0).is_finite());
+    }
+
+    #[test]
+    fn gelu_tanh_gives_the_same_bits_on_every_path() {
+        let g: Vec<f32> = values(1000, 31).iter().map(|x| x * 6.0).collect();
+        let u = values(1000, 32);
+        let run = |path: Path| {
+            let mut out = vec![0.0f32; 997];
+            // SAFETY: only paths this CPU supports run.
+            unsafe {
+                let (g, u) = (&g[..997], &u[..997]);
+                match path {
+                    #[cfg(target_arch = "x86_64")]
+                    Path::Avx512 => products::x86::gelu_tanh_mul_avx512(g, u, &mut out),
+                    #[cfg(target_arch = "x86_64")]
+                    Path::Avx2 => products::x86::gelu_tanh_mul_avx2(g, u, &mut out),
+                    _ => products::gated_lanes::<Portable, true>(g, u, &mut out),
+                }
+            }
+            out
+        };
+        let want = run(Path::Portable);
+        for (x, (&gx, &ux)) in want.iter().zip(g.iter().zip(&u)) {
+            let (gx, ux) = (f64::from(gx), f64::from(ux));
+            let y = (0.797_884_560_802_865_4 * (gx + 0.044_715 * gx * gx * gx)).tanh();
+            let gelu = 0.5 * gx * (1.0 + y) * ux;
+            assert!(
+                (f64::from(*x) - gelu).abs() < 1e-5 * (1.0 + gelu.abs()),
+                "{x} vs {gelu}"
+            );
+        }
+        for path in [Path::Avx2, Path::Avx512] {
+            if path.supported() {
+                assert_eq!(run(path), want, "{path:?}");
+            }
+        }
     }
 
     #[test]

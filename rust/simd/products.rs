@@ -199,9 +199,21 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
 
 #[inline(always)]
 pub(crate) unsafe fn silu_mul_lanes<V: Lanes>(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    gated_lanes::<V, false>(gate, up, out);
+}
+
+/// out = act(gate) · up, SiLU or (GELU) GELU-tanh, LANES values at a time (the tail through a
+/// padded lane). (A const, not a function argument: a function pointer is not inlined into the
+/// `#[target_feature]` entry point.)
+#[inline(always)]
+pub(crate) unsafe fn gated_lanes<V: Lanes, const GELU: bool>(
+    gate: &[f32],
+    up: &[f32],
+    out: &mut [f32],
+) {
     let whole = gate.len() / LANES * LANES;
     for c in (0..whole).step_by(LANES) {
-        let y = silu_mul_step(V::load(gate.as_ptr().add(c)), V::load(up.as_ptr().add(c)));
+        let y = gated_step::<V, GELU>(V::load(gate.as_ptr().add(c)), V::load(up.as_ptr().add(c)));
         y.store(out.as_mut_ptr().add(c));
     }
     if whole < gate.len() {
@@ -209,9 +221,46 @@ pub(crate) unsafe fn silu_mul_lanes<V: Lanes>(gate: &[f32], up: &[f32], out: &mu
         let (mut g, mut u, mut y) = ([0.0f32; LANES], [0.0f32; LANES], [0.0f32; LANES]);
         g[..n].copy_from_slice(&gate[whole..]);
         u[..n].copy_from_slice(&up[whole..]);
-        silu_mul_step(V::load(g.as_ptr()), V::load(u.as_ptr())).store(y.as_mut_ptr());
+        gated_step::<V, GELU>(V::load(g.as_ptr()), V::load(u.as_ptr())).store(y.as_mut_ptr());
         out[whole..].copy_from_slice(&y[..n]);
     }
+}
+
+#[inline(always)]
+unsafe fn gated_step<V: Lanes, const GELU: bool>(g: V, u: V) -> V {
+    if GELU {
+        gelu_tanh_mul_step(g, u)
+    } else {
+        silu_mul_step(g, u)
+    }
+}
+
+/// out = gelu(gate) · up, GELU's tanh approximation, elementwise, on the best build:
+/// 0.5 x (1 + tanh(y)) = x / (1 + e^(-2y)), y = √(2/π) (x + 0.044715 x³).
+pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(
+        gate.len() == up.len() && up.len() == out.len(),
+        "gelu_tanh_mul of different lengths"
+    );
+    match Path::best() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `best` checked the features.
+        Path::Avx512 => unsafe { x86::gelu_tanh_mul_avx512(gate, up, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Path::Avx2 => unsafe { x86::gelu_tanh_mul_avx2(gate, up, out) },
+        // SAFETY: the portable build needs no CPU feature.
+        _ => unsafe { gated_lanes::<Portable, true>(gate, up, out) },
+    }
+}
+
+#[inline(always)]
+pub(crate) unsafe fn gelu_tanh_mul_step<V: Lanes>(g: V, u: V) -> V {
+    // -2y = g · (A + B g²), with A = -2√(2/π) and B = A · 0.044715; unfused, as every build.
+    const A: f32 = -1.595_769_2;
+    const B: f32 = -0.071_354_814;
+    let z = V::mul(g, V::add(V::splat(A), V::mul(V::splat(B), V::mul(g, g))));
+    V::mul(V::div(g, V::add(V::splat(1.0), z.exp())), u)
 }
 
 // (Functions, not closures: a closure is not inlined into the `#[target_feature]` entry point
@@ -342,5 +391,15 @@ pub(crate) mod x86 {
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn silu_mul_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
         super::silu_mul_lanes::<Avx2>(gate, up, out);
+    }
+
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    pub(crate) unsafe fn gelu_tanh_mul_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        super::gated_lanes::<Avx512, true>(gate, up, out);
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn gelu_tanh_mul_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        super::gated_lanes::<Avx2, true>(gate, up, out);
     }
 }

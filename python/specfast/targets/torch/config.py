@@ -104,17 +104,6 @@ class ModelConfig:
             raise ValueError("sliding_layers need a positive sliding_window")
         self.sliding_layers = tuple(self.sliding_layers)
 
-    @property
-    def core_layers(self) -> bool:
-        """Whether the core (rust/layer.rs) runs these layers: not gemma3's, which torch runs."""
-        return not (
-            self.post_norms
-            or self.act != "silu"
-            or self.attn_scale is not None
-            or self.embed_scale != 1.0
-            or self.sliding_layers
-        )
-
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     """(head_dim/2,) float64 inverse frequencies, with the config's scaling applied; `local`:

@@ -30,6 +30,9 @@ def forward_in_core(model, ids, cache: KVCache, pos: int, last_only, head, aux_l
     T = ids.shape[0]
     cos, sin = model.rope(pos + T)
     cos, sin = cos[pos : pos + T], sin[pos : pos + T]  # (T, hd)
+    local = local_tables(model, pos + T)
+    if local is not None:
+        local = tuple(t[pos : pos + T].contiguous().numpy() for t in local)
     packed = model.packed_weights()
     aux: dict | None = None if aux_layers is None else dict.fromkeys(aux_layers)
     rows = 1 if last_only else T
@@ -41,7 +44,7 @@ def forward_in_core(model, ids, cache: KVCache, pos: int, last_only, head, aux_l
     stack = core_stack(model, packed)
     stack.forward(
         x.numpy(), cos.contiguous().numpy(), sin.contiguous().numpy(), cache.k.numpy(),
-        cache.v.numpy(), pos, ids_aux, feats.numpy(), out,
+        cache.v.numpy(), pos, ids_aux, feats.numpy(), out, local,
     )  # fmt: skip
     if aux is not None:
         for i, f in zip(ids_aux, feats, strict=True):
@@ -49,6 +52,15 @@ def forward_in_core(model, ids, cache: KVCache, pos: int, last_only, head, aux_l
     if logits is None:
         logits = model._head(x[-1:] if last_only else x, head, packed)
     return logits if aux is None else (logits, model_features(aux, aux_layers))
+
+
+def local_tables(model, length: int):
+    """The sliding layers' (cos, sin) tables of at least `length` rows, where they differ from
+    the global ones (gemma3: another RoPE base), else None."""
+    c = model.config
+    if not c.sliding_layers or not c.rope_local_theta:
+        return None
+    return model.rope(length, local=True)
 
 
 def core_stack(model, packed) -> CoreLayers:
@@ -62,10 +74,16 @@ def core_stack(model, packed) -> CoreLayers:
             attn, ffn = layer.attn_norm.detach().numpy(), layer.ffn_norm.detach().numpy()
             args.append((attn, qkv, bias, o, ffn, gate_up, down))
         c, norm, layers = model.config, model.norm.detach().numpy(), model.layers
-        qk_norms = None
-        if c.qk_norm:
-            qk_norms = [(x.q_norm.detach().numpy(), x.k_norm.detach().numpy()) for x in layers]
-        stack = CoreLayers(args, c.n_heads, c.norm_eps, norm, packed[-1], qk_norms=qk_norms)
+        pairs = lambda a, b: [  # noqa: E731
+            (getattr(x, a).detach().numpy(), getattr(x, b).detach().numpy()) for x in layers
+        ]
+        stack = CoreLayers(
+            args, c.n_heads, c.norm_eps, norm, packed[-1],
+            qk_norms=pairs("q_norm", "k_norm") if c.qk_norm else None,
+            post_norms=pairs("post_attn_norm", "post_ffn_norm") if c.post_norms else None,
+            act=c.act, attn_scale=c.attn_scale, sliding_layers=list(c.sliding_layers),
+            window=c.sliding_window or 0,
+        )  # fmt: skip
         model._stack = (packed, stack)
     return model._stack[1]
 
@@ -84,21 +102,23 @@ class CoreGreedy:
 
     def arrays(self, d) -> tuple | None:
         """(the core's layer stack, embedding (V, D), cos and sin tables (at least max_length
-        rows), keys, values) where a pass runs wholly in the core, else None. Kept while the
-        packing and the embedding stay the same objects."""
+        rows), keys, values, the sliding layers' tables or None) where a pass runs wholly in
+        the core, else None. Kept while the packing and the embedding stay the same objects."""
         m, cache = d.model, d.cache
         if d.step is not None or not runs_in_core(m, cache):
             return None
         packed, embed = m.packed_weights(), m.embed.weight
         if self._arrays is None or self._arrays[0] is not packed or self._arrays[1] is not embed:
             cos, sin = m.rope(d.max_length)
+            local = local_tables(m, d.max_length)
+            local = None if local is None else (local[0].numpy(), local[1].numpy())
             stack = core_stack(m, packed)
             keys, values = cache.k.numpy(), cache.v.numpy()
-            arrays = (stack, embed.detach().numpy(), cos.numpy(), sin.numpy(), keys, values)
+            arrays = (stack, embed.detach().numpy(), cos.numpy(), sin.numpy(), keys, values, local)
             self._arrays = (packed, embed, arrays)
         return self._arrays[2]
 
-    def greedy(self, d, ids, stack, embed, cos, sin, k, v) -> torch.Tensor:
+    def greedy(self, d, ids, stack, embed, cos, sin, k, v, local) -> torch.Tensor:
         """ids (T,) -> the argmax id of each row (T,); appends T tokens to decoder d."""
         m, pos = d.model, d.cache.length
         check_ids(ids, m.device, m.vocab_size, pos, d.max_length)
@@ -110,6 +130,12 @@ class CoreGreedy:
                 self._logits = np.empty((T, embed.shape[0]), np.float32)
             logits = self._logits[:T]
         x = embed[rows]  # (T, D): a copy, which the core turns into the last hidden states
-        stack.forward(x, cos[pos : pos + T], sin[pos : pos + T], k, v, pos, logits=logits)
+        if m.config.embed_scale != 1.0:  # gemma3: as Model.embed_tokens, in float32
+            x *= np.float32(m.config.embed_scale)
+        if local is not None:
+            local = (local[0][pos : pos + T], local[1][pos : pos + T])
+        stack.forward(
+            x, cos[pos : pos + T], sin[pos : pos + T], k, v, pos, logits=logits, local=local
+        )
         d.cache.length = pos + T
         return argmax_array(logits)

@@ -153,8 +153,7 @@ class Model(nn.Module):
         CORE_CACHE_DTYPES: float32 activations on CPU, with int8 or q4 weights, or with float32
         weights (`FloatMatrix`) unless `prepack` is off or the passes run compiled steps."""
         cpu32 = self.dtype == torch.float32 and self.device.type == "cpu"
-        fits = cpu32 and self.config.core_layers
-        return fits and (self.int8 or (self.prepack and self.compiled_step is None))
+        return cpu32 and (self.int8 or (self.prepack and self.compiled_step is None))
 
     def _packing(self) -> str | None:
         """What packed_weights() packs the matrices for on CPU: "core" (int8 or q4 weights, or
