@@ -260,3 +260,84 @@ def test_smollm_cuda_bf16(smollm_gguf, smollm):
     ref = smollm.decoder(64).forward(ids)
     out = gpu.decoder(64).forward(ids.cuda()).cpu()
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+# ---------------------------------------------------------------- quantized as they are read
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_quantized_as_read_equals_quantized_after_loading(smollm_gguf, weights):
+    """A GGUF loaded with int8 or q4 weights is quantized layer by layer as it is read (only one
+    float matrix at a time): the same model, bit for bit, as the float model quantized after."""
+    read = load_model(smollm_gguf, dtype="float32", weights=weights)
+    after = load_model(smollm_gguf, dtype="float32").quantize_int8(weights)
+    ids = torch.tensor(list(real_texts()[0].encode()[:60])) + 100
+    a, b = read.decoder(80), after.decoder(80)
+    assert torch.equal(a.forward(ids[:50]), b.forward(ids[:50]))
+    assert torch.equal(a.forward(ids[50:]), b.forward(ids[50:]))
+
+
+def float_matrices_alive(monkeypatch, load) -> int:
+    """The most float32 layer matrices (2-D, over 100k values) alive at once while `load()`
+    quantizes its matrices: counted over every live tensor at every 7th call to `quantize`
+    (the first included)."""
+    import gc
+
+    import specfast.formats.common as common
+    import specfast.targets.torch.model as model_module
+
+    real, most, calls = common.quantize, 0, 0
+
+    def watching(w, kind="int8"):
+        nonlocal most, calls
+        calls += 1
+        if calls % 7 != 1:  # every 7th call: a full scan of live objects is slow
+            return real(w, kind)
+        alive = sum(
+            1
+            for o in gc.get_objects()
+            if isinstance(o, torch.Tensor)
+            and o.dim() == 2
+            and o.dtype == torch.float32
+            and o.device.type == "cpu"
+            and 100_000 < o.numel() < 10_000_000  # layer matrices, not the embedding
+        )
+        most = max(most, alive)
+        return real(w, kind)
+
+    monkeypatch.setattr(common, "quantize", watching)
+    monkeypatch.setattr(model_module, "quantize", watching)
+    load()
+    return most
+
+
+@pytest.mark.smollm
+def test_a_quantized_load_holds_a_layer_of_float_matrices_at_most(smollm_gguf, monkeypatch):
+    """SmolLM2's 30 layers have 120 matrices (428 MiB in float32, 107 in int8). Loaded with
+    int8 weights, each is quantized as it is read: at most one layer's float matrices exist at
+    a time, so a model whose float32 copy would not fit in memory loads. The control: the
+    float model quantized after loading holds all of them when it starts."""
+    as_read = float_matrices_alive(
+        monkeypatch, lambda: load_model(smollm_gguf, dtype="float32", weights="int8")
+    )
+    after = float_matrices_alive(
+        monkeypatch,
+        lambda: load_model(smollm_gguf, dtype="float32").quantize_int8().packed_weights(),
+    )
+    assert as_read <= 4, as_read
+    assert after >= 120, after
+
+
+def test_a_tiny_hf_folder_quantized_as_read_equals_quantized_after(tmp_path):
+    pytest.importorskip("transformers")
+    from conftest import make_hf_model
+
+    make_hf_model("llama-untied-mha").save_pretrained(tmp_path, safe_serialization=True)
+    for weights in ("int8", "q4"):
+        read = load_model(tmp_path, dtype="float32", weights=weights)
+        after = load_model(tmp_path, dtype="float32").quantize_int8(weights)
+        ids = torch.arange(40) * 7 % 320
+        assert torch.equal(read.decoder(64).forward(ids), after.decoder(64).forward(ids))
+        read.unpack()  # the placeholders refill from the quantized matrices
+        assert read.layers[0].wqkv.weight.device.type == "cpu"

@@ -87,14 +87,18 @@ def load_model(
 def _load(path: Path, device, dtype, weights: str) -> Model:
     """The model at `path` in `dtype` (None: float32), with quantized weights if asked."""
     dtype = torch.float32 if dtype is None else dtype
+    # Quantized as read, where the model stays on the CPU in float32 (the core's activations):
+    # a float copy of the whole model never exists.
+    as_read = weights if weights in QUANTIZED and dtype == torch.float32 else "float"
     if path.is_dir():
-        model = load_hf_folder(path, dtype)
+        model = load_hf_folder(path, dtype, as_read)
     elif path.is_file():
-        model = load_gguf(path, dtype)
+        model = load_gguf(path, dtype, as_read)
     else:
         raise FileNotFoundError(f"no model at {path}: expected a GGUF file or a checkpoint folder")
-    model = model.to(device=device, dtype=dtype)
-    if weights in QUANTIZED:
+    if model.device != torch.device(device) or model.dtype != dtype:
+        model = model.to(device=device, dtype=dtype)
+    if weights in QUANTIZED and as_read == "float":
         model.quantize_int8(weights).packed_weights()  # quantized now: the float copies go now
     trim_heap()  # the loader's temporaries
     return model

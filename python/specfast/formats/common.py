@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specfast.targets.torch.int8 import quantize
 from specfast.targets.torch.model import Model, ModelConfig
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
@@ -35,6 +36,47 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], source: P
     model.load_state_dict(weights, assign=True, strict=True)
     model.requires_grad_(False)
     return model
+
+
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+class LayerQuantizer:
+    """Quantizes each layer's matrices to int8 or q4 (`kind`) as a loader reads them, leaving
+    shape-only placeholders: only one float matrix exists at a time, so a model whose float32
+    copy would not fit in memory (a 7B is 30 GB) loads in about the size of its quantized one.
+    Each matrix is quantized from the same float32 values as `Model.quantize_int8` reads, so the
+    model is the same bits either way."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.layers: list[list] = []
+        self.head = None
+
+    def layer(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Layer i's tensors (our names), its matrices quantized and replaced by placeholders."""
+        row = []
+        for m in MATRICES:
+            row.append(self._take(tensors, f"layers.{i}.{m}.weight", self.kind))
+        self.layers.append(row)
+        return tensors
+
+    def output(self, weights: dict[str, torch.Tensor]) -> None:
+        """An untied output matrix (always int8: a 4-bit one costs the most agreement)."""
+        self.head = self._take(weights, "lm_head.weight", "int8")
+
+    def attach(self, model: Model) -> Model:
+        """The model, running on the quantized matrices (a tied head quantized from the
+        embedding, which the lookup keeps)."""
+        head = self.head if self.head is not None else quantize(model.embed.weight, "int8")
+        model.adopt_quantized(self.kind, [*self.layers, head])
+        return model
+
+    @staticmethod
+    def _take(tensors: dict[str, torch.Tensor], name: str, kind: str):
+        w = tensors[name]
+        tensors[name] = torch.empty(w.shape, dtype=w.dtype, device="meta")
+        return quantize(w, kind)
 
 
 def fuse_layer(get, i: int, prefix: str, config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -10,7 +10,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specfast.formats.common import SUPPORTED_ARCHS, build_model, gemma3_fields, int_list
+from specfast.formats.common import (
+    SUPPORTED_ARCHS,
+    LayerQuantizer,
+    build_model,
+    gemma3_fields,
+    int_list,
+)
 from specfast.formats.spm import spm_tokenizer
 from specfast.targets.llama_cpp.state import llama_state
 from specfast.targets.torch.model import Model, ModelConfig
@@ -67,7 +73,9 @@ def _dequantized(tensors: dict, name: str, path: Path) -> np.ndarray:
     return np.array(w.reshape([int(d) for d in reversed(t.shape)]), dtype=np.float32)
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> Model:
+def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
+    """The model in a GGUF file, its tensors dequantized to `dtype`; with weights "int8" or
+    "q4" each layer's matrices are quantized as they are read (LayerQuantizer)."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
@@ -138,28 +146,34 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Model:
         # Cast tensor by tensor: a whole float32 copy of the model never exists at once.
         return torch.from_numpy(w).to(dtype)
 
-    weights = {"embed.weight": get("token_embd.weight"), "norm": get("output_norm.weight")}
+    quantizer = LayerQuantizer(weights) if weights != "float" else None
+    ours = {"embed.weight": get("token_embd.weight"), "norm": get("output_norm.weight")}
     if not config.tie_embeddings:
-        weights["lm_head.weight"] = get("output.weight")
+        ours["lm_head.weight"] = get("output.weight")
+        if quantizer:
+            quantizer.output(ours)
     for i in range(config.n_layers):
         b = f"blk.{i}."
-        weights[f"layers.{i}.attn_norm"] = get(b + "attn_norm.weight")
-        weights[f"layers.{i}.ffn_norm"] = get(b + "ffn_norm.weight")
-        weights[f"layers.{i}.wqkv.weight"] = torch.cat([get(b + f"attn_{n}.weight") for n in "qkv"])
+        layer = {f"layers.{i}.attn_norm": get(b + "attn_norm.weight")}
+        layer[f"layers.{i}.ffn_norm"] = get(b + "ffn_norm.weight")
+        layer[f"layers.{i}.wqkv.weight"] = torch.cat([get(b + f"attn_{n}.weight") for n in "qkv"])
         if config.attn_bias:
-            weights[f"layers.{i}.wqkv.bias"] = torch.cat([get(b + f"attn_{n}.bias") for n in "qkv"])
+            layer[f"layers.{i}.wqkv.bias"] = torch.cat([get(b + f"attn_{n}.bias") for n in "qkv"])
         if config.qk_norm:
-            weights[f"layers.{i}.q_norm"] = get(b + "attn_q_norm.weight")
-            weights[f"layers.{i}.k_norm"] = get(b + "attn_k_norm.weight")
+            layer[f"layers.{i}.q_norm"] = get(b + "attn_q_norm.weight")
+            layer[f"layers.{i}.k_norm"] = get(b + "attn_k_norm.weight")
         if config.post_norms:  # (llama.cpp's converter stores Gemma's norms as 1 + w)
-            weights[f"layers.{i}.post_attn_norm"] = get(b + "post_attention_norm.weight")
-            weights[f"layers.{i}.post_ffn_norm"] = get(b + "post_ffw_norm.weight")
-        weights[f"layers.{i}.wo.weight"] = get(b + "attn_output.weight")
-        weights[f"layers.{i}.w_gate_up.weight"] = torch.cat(
+            layer[f"layers.{i}.post_attn_norm"] = get(b + "post_attention_norm.weight")
+            layer[f"layers.{i}.post_ffn_norm"] = get(b + "post_ffw_norm.weight")
+        layer[f"layers.{i}.wo.weight"] = get(b + "attn_output.weight")
+        layer[f"layers.{i}.w_gate_up.weight"] = torch.cat(
             [get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")]
         )
-        weights[f"layers.{i}.w_down.weight"] = get(b + "ffn_down.weight")
-    model = build_model(config, weights, path)
+        layer[f"layers.{i}.w_down.weight"] = get(b + "ffn_down.weight")
+        ours.update(quantizer.layer(i, layer) if quantizer else layer)
+    model = build_model(config, ours, path)
+    if quantizer:
+        quantizer.attach(model)
     model.file_is_4bit = all(
         tensors[f"blk.{i}.{name}.weight"].tensor_type.name in FOUR_BIT_TYPES
         for i in range(config.n_layers)

@@ -9,6 +9,7 @@ import torch
 
 from specfast.formats.common import (
     SUPPORTED_ARCHS,
+    LayerQuantizer,
     build_model,
     fuse_layer,
     gemma3_fields,
@@ -117,7 +118,9 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype) -> Model:
+def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "float") -> Model:
+    """The model in a Hugging Face checkpoint folder, in `dtype`; with weights "int8" or "q4"
+    each layer's matrices are quantized as they are read (LayerQuantizer)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{folder}: no config.json; expected a Hugging Face checkpoint folder")
@@ -134,15 +137,21 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Model:
             return (raw[name].float() + 1.0).to(dtype)
         return raw[name].to(dtype)
 
-    weights = {
+    quantizer = LayerQuantizer(weights) if weights != "float" else None
+    tensors = {
         "embed.weight": get(prefix + "embed_tokens.weight"),
         "norm": get(prefix + "norm.weight"),
     }
     if not config.tie_embeddings:
-        weights["lm_head.weight"] = get("lm_head.weight")
+        tensors["lm_head.weight"] = get("lm_head.weight")
+        if quantizer:
+            quantizer.output(tensors)
     for i in range(config.n_layers):
-        weights.update(fuse_layer(get, i, prefix, config))
-    model = build_model(config, weights, folder)
+        layer = fuse_layer(get, i, prefix, config)
+        tensors.update(quantizer.layer(i, layer) if quantizer else layer)
+    model = build_model(config, tensors, folder)
+    if quantizer:
+        quantizer.attach(model)
 
     model.tokenizer = None
     if (folder / "tokenizer.json").is_file():

@@ -421,6 +421,16 @@ class Model(nn.Module):
             self._rows_cache[n] = OutputRows(self, torch.arange(n))
         return self._rows_cache[n]
 
+    def adopt_quantized(self, kind: str, packed: list) -> None:
+        """Runs on `packed` (per layer the core's wqkv, wo, w_gate_up and w_down, then the
+        head's), quantized as `kind` by a loader; the plain matrices are already placeholders,
+        which `unpack()` refills from these."""
+        if kind not in QUANTIZED or len(packed) != len(self.layers) + 1:
+            raise ValueError(f"adopt_quantized needs {QUANTIZED} matrices for every layer")
+        self.weight_kind = kind
+        self._packed, self._plain_released = packed, True
+        self._rows_cache, self._stack = {}, (None, None)
+
     def unpack(self) -> None:
         """Drops the packed copy and restores the plain weights it replaced."""
         self._restore_plain()
