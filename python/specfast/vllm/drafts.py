@@ -15,8 +15,8 @@ import numpy as np
 from specfast._core import NgramDrafter
 
 # Draft only from a match of at least this many tokens, and at most k_factor tokens per matched
-# token: in a batch, every drafted token costs verification compute, and a one-token match rarely
-# continues (the limits vLLM's suffix method also applies).
+# token: in a batch every drafted token costs verification compute, and a one-token match rarely
+# continues (vLLM's suffix method caps a draft by its match length the same way).
 MIN_MATCH = 2
 K_FACTOR = 1.0
 
@@ -31,10 +31,12 @@ class _Request:
 class RequestDrafts:
     """Per-request drafters by request id: `sync` a row's history, `propose`, `finish`.
 
-    A known request is extended by the tokens past what it has indexed. One that is unknown, or
-    whose history no longer agrees with what was indexed (shorter, or another token at the last
-    indexed position: a resumed or resubmitted request), is rebuilt from the row. Drafts are a
-    function of the history alone, so every tensor-parallel rank proposes the same.
+    A known request is extended by the tokens past what it has indexed (a request resumed after
+    preemption too: its history is the same). One that is unknown, or whose history no longer
+    agrees with what was indexed (shorter, or another token at the last indexed position: an id
+    resubmitted with another prompt, or a row key that now holds another request), is rebuilt
+    from the row. Drafts are a function of the history alone, so every tensor-parallel rank
+    proposes the same; a draft only proposes, so a wrong one costs speed, never output.
     """
 
     def __init__(self, *, min_match: int = MIN_MATCH, k_factor: float = K_FACTOR):

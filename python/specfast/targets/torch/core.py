@@ -74,9 +74,12 @@ def core_stack(model, packed) -> CoreLayers:
             attn, ffn = layer.attn_norm.detach().numpy(), layer.ffn_norm.detach().numpy()
             args.append((attn, qkv, bias, o, ffn, gate_up, down))
         c, norm, layers = model.config, model.norm.detach().numpy(), model.layers
-        pairs = lambda a, b: [  # noqa: E731
-            (getattr(x, a).detach().numpy(), getattr(x, b).detach().numpy()) for x in layers
-        ]
+
+        def pairs(a: str, b: str) -> list:  # per layer, its gains a and b
+            return [
+                (getattr(x, a).detach().numpy(), getattr(x, b).detach().numpy()) for x in layers
+            ]
+
         stack = CoreLayers(
             args, c.n_heads, c.norm_eps, norm, packed[-1],
             qk_norms=pairs("q_norm", "k_norm") if c.qk_norm else None,
