@@ -279,31 +279,34 @@ def test_quantized_as_read_equals_quantized_after_loading(smollm_gguf, weights):
 
 
 def float_matrices_alive(monkeypatch, load) -> int:
-    """The most float32 layer matrices (2-D, over 100k values) alive at once while `load()`
-    quantizes its matrices: counted over every live tensor at every 7th call to `quantize`
-    (the first included)."""
+    """The most float32 layer matrices (2-D, 100k-10M values) made by `load()` alive at once
+    while it quantizes its matrices: every live tensor counted at every 7th call to `quantize`
+    (the first included), less those alive before the load (other tests' models)."""
     import gc
 
     import specfast.formats.common as common
     import specfast.targets.torch.model as model_module
 
-    real, most, calls = common.quantize, 0, 0
-
-    def watching(w, kind="int8"):
-        nonlocal most, calls
-        calls += 1
-        if calls % 7 != 1:  # every 7th call: a full scan of live objects is slow
-            return real(w, kind)
-        alive = sum(
-            1
+    def matrices():
+        return [
+            o
             for o in gc.get_objects()
             if isinstance(o, torch.Tensor)
             and o.dim() == 2
             and o.dtype == torch.float32
             and o.device.type == "cpu"
             and 100_000 < o.numel() < 10_000_000  # layer matrices, not the embedding
-        )
-        most = max(most, alive)
+        ]
+
+    before = matrices()  # held for the load, so that their ids are not reused
+    old = {id(o) for o in before}
+    real, most, calls = common.quantize, 0, 0
+
+    def watching(w, kind="int8"):
+        nonlocal most, calls
+        calls += 1
+        if calls % 7 == 1:  # (a full scan of live objects is slow)
+            most = max(most, sum(1 for o in matrices() if id(o) not in old))
         return real(w, kind)
 
     monkeypatch.setattr(common, "quantize", watching)
