@@ -303,10 +303,11 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     let range = |i: usize| d.keys((first + i) % d.rows);
     let keys = |i: usize| range(i).1;
     let most = (0..m).map(keys).max().unwrap_or(0);
+    let tile = tile_keys(hd);
     // Tiles wholly before every item's window are skipped.
-    let least = (0..m).map(|i| range(i).0).min().unwrap_or(0) / tile_keys(hd) * tile_keys(hd);
-    // A row's softmax runs over whole lanes from its first key: room for one more lane.
-    let width = (d.pos + d.rows).next_multiple_of(LANES) + LANES;
+    let least = (0..m).map(|i| range(i).0).min().unwrap_or(0) / tile * tile;
+    // A windowed row's softmax runs over whole lanes from its first key: one more lane.
+    let width = (d.pos + d.rows).next_multiple_of(LANES) + if d.window > 0 { LANES } else { 0 };
     // SAFETY: this thread's buffer, which one bundle at a time uses (bundles do not nest). (A
     // pointer out of the closure rather than the work inside it: a closure is not reliably
     // inlined into the `#[target_feature]` entry point.)
@@ -316,7 +317,6 @@ unsafe fn bundle<V: Lanes, E: Elem>(
     }
     let scores = &mut buf[..m * width];
     let qs = &q[first * hd..(first + m) * hd];
-    let tile = tile_keys(hd);
     let fetch = m >= FETCH_ITEMS && tile * hd * (4 + std::mem::size_of::<E>()) <= FETCH_BYTES;
     // A tile of a float16 cache, in f32.
     let mut wide = Vec::new();

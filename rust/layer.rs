@@ -171,11 +171,7 @@ fn forward<E: Elem>(
     }
     let proj = fit(&mut sc.proj, rows * dim);
     w.o.matmul(y, proj, kernel)?;
-    if let Some((post_attn, _)) = w.post_norms {
-        proj.chunks_exact_mut(dim)
-            .for_each(|row| rms_norm_in_place(row, post_attn, s.eps));
-    }
-    add_into(x, proj);
+    add_normed(x, proj, w.post_norms.map(|(a, _)| a), s.eps, &mut sc.normed);
 
     // MLP
     let normed = fit(&mut sc.normed, rows * dim);
@@ -196,11 +192,7 @@ fn forward<E: Elem>(
     });
     let proj = fit(&mut sc.proj, rows * dim);
     w.down.matmul(act, proj, kernel)?;
-    if let Some((_, post_ffn)) = w.post_norms {
-        proj.chunks_exact_mut(dim)
-            .for_each(|row| rms_norm_in_place(row, post_ffn, s.eps));
-    }
-    add_into(x, proj);
+    add_normed(x, proj, w.post_norms.map(|(_, f)| f), s.eps, &mut sc.normed);
     Ok(())
 }
 
@@ -457,6 +449,18 @@ fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// x += y, or x += rms_norm(y) · gain with a post-norm gain (Gemma 3), through `buf`.
+fn add_normed(x: &mut [f32], y: &[f32], gain: Option<&[f32]>, eps: f32, buf: &mut Vec<f32>) {
+    match gain {
+        Some(g) => {
+            let normed = fit(buf, y.len());
+            rms_norm(y, g, eps, normed);
+            add_into(x, normed);
+        }
+        None => add_into(x, y),
+    }
+}
+
 fn add_into(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
         *a += b;
@@ -587,7 +591,7 @@ mod tests {
             pos,
             ..SHAPE
         };
-        run_shaped(l, x, &s, cache, 10.0);
+        run_shaped(l, x, &s, cache);
     }
 
     /// The RoPE tables (cos, sin) of T rows from `pos`, for a base of `base`.
@@ -602,14 +606,8 @@ mod tests {
         (cos, sin)
     }
 
-    fn run_shaped(
-        l: &Layer,
-        x: &mut [f32],
-        s: &Shape,
-        cache: &mut (Vec<f32>, Vec<f32>),
-        base: f32,
-    ) {
-        let (cos, sin) = tables(x.len() / DIM, s.pos, base);
+    fn run_shaped(l: &Layer, x: &mut [f32], s: &Shape, cache: &mut (Vec<f32>, Vec<f32>)) {
+        let (cos, sin) = tables(x.len() / DIM, s.pos, 10.0);
         one_layer(
             x,
             &l.weights(),
@@ -638,7 +636,7 @@ mod tests {
     fn gemma_pass(l: &Layer, s: &Shape, x: &[f32]) -> Vec<f32> {
         let n = 2 * 40 * 12;
         let mut y = x.to_vec();
-        run_shaped(l, &mut y, s, &mut (vec![0.0; n], vec![0.0; n]), 10.0);
+        run_shaped(l, &mut y, s, &mut (vec![0.0; n], vec![0.0; n]));
         y
     }
 
@@ -651,11 +649,11 @@ mod tests {
         let x = values(9 * DIM, 21, 2.0);
         let mut whole = x.clone();
         let mut cache = (vec![0.0; n], vec![0.0; n]);
-        run_shaped(&g, &mut whole, &Shape { pos: 2, ..s }, &mut cache, 10.0);
+        run_shaped(&g, &mut whole, &Shape { pos: 2, ..s }, &mut cache);
         let mut cache2 = (vec![0.0; n], vec![0.0; n]);
         for t in 0..9 {
             let mut r = x[t * DIM..(t + 1) * DIM].to_vec();
-            run_shaped(&g, &mut r, &Shape { pos: 2 + t, ..s }, &mut cache2, 10.0);
+            run_shaped(&g, &mut r, &Shape { pos: 2 + t, ..s }, &mut cache2);
             assert_eq!(r, whole[t * DIM..(t + 1) * DIM], "row {t}");
         }
         assert_eq!(cache, cache2);

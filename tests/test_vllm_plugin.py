@@ -183,7 +183,7 @@ def replay_v1(runner: FakeRunner) -> list[tuple[str, list[int], list[int]]]:
 
 
 @pytest.fixture
-def v1_proposer(fake_vllm, monkeypatch):
+def v1_proposer(fake_vllm):
     fake_vllm.modules["vllm"].__version__ = "0.32.0"
 
     def make(drafts=None):
