@@ -1,22 +1,23 @@
 //! 4-bit weight matrix products for CPU decode and verify passes.
 //!
-//! Weights are llama.cpp's Q4_1: each output row, in groups of 32 input features, holds values
-//! q in 0..=15 with a scale d and a minimum m (both f16), standing for d·q + m. Activations are
-//! int8, quantized at every call with one scale per row and group (as in [`crate::int8`]), so a
-//! group's product is
+//! Weights are llama.cpp's Q4_1 or Q4_0: each output row, in groups of 32 input features, holds
+//! values q in 0..=15 with a scale d (f16) and, for Q4_1, a minimum m (f16), standing for
+//! d·q + m; Q4_0 has no minimum and stands for d·(q - 8). Activations are int8, quantized at
+//! every call with one scale per row and group (as in [`crate::int8`]), so a group's product is
 //!
-//!   Σ x·w = sx · (d · Σ q·xq + m · Σ xq),
+//!   Q4_1: Σ x·w = sx · (d · Σ q·xq + m · Σ xq),   Q4_0: Σ x·w = sx · d · (Σ q·xq - 8 Σ xq),
 //!
-//! two exact integer sums and a few float operations. In every code path alike, for the groups
-//! in order, `acc += (Σ q·xq as f32) * (d * sx)`, then `acc += m * (sx * Σ xq as f32)`. So, as for
-//! int8, a row of a pass depends only on its own input row, and the scalar, AVX2, AVX-VNNI and
-//! AVX-512 VNNI paths give the same bits.
+//! exact integer sums and a few float operations. In every code path alike, for the groups in
+//! order, `acc += (s as f32) * (d * sx)` with s the group's integer sum (Σ q·xq, or for Q4_0
+//! Σ q·xq - 8 Σ xq), then for Q4_1 `acc += m * (sx * Σ xq as f32)`. So, as for int8, a row of a
+//! pass depends only on its own input row, and the scalar, AVX2, AVX-VNNI and AVX-512 VNNI
+//! paths give the same bits.
 //!
-//! Why 4 bits: a decode step reads every weight once, so 5 bits a weight (4, plus d and m per 32)
-//! read in 5/8 of int8's time. And unsigned 4-bit values let AVX2's vpmaddubsw (u8 × s8) run
-//! without int8's sign juggling, and sum 8 of its i16 pairs before widening (8 · 2 · 15 · 127 <
-//! 2^15), which halves the multiplies a verify pass makes; VNNI's vpdpbusd (u8 × s8 into i32)
-//! takes them as they are.
+//! Why 4 bits: a decode step reads every weight once, so 5 bits a weight (4, plus d and m per
+//! 32; Q4_0's 4.5) read in 5/8 of int8's time. And unsigned 4-bit values let AVX2's vpmaddubsw
+//! (u8 × s8) run without int8's sign juggling, and sum 8 of its i16 pairs before widening
+//! (8 · 2 · 15 · 127 < 2^15), which halves the multiplies a verify pass makes; VNNI's vpdpbusd
+//! (u8 × s8 into i32) takes them as they are. Q4_0's -8 Σ xq is where VNNI's sums start.
 //!
 //! Packed layout: blocks of 16 output rows; inside a block, per pair of runs of 4 features, 64
 //! bytes: byte i holds row i / 4, feature i % 4 of the first run in its low nibble and of the
@@ -44,14 +45,15 @@ const VNNI_ROWS: usize = 12;
 /// construction); the i32 group sums cannot, whatever the width.
 pub const MAX_COLS: usize = 1 << 20;
 
-/// A matrix in llama.cpp's Q4_1 layout: 32-weight blocks, each with a scale and a minimum.
+/// A matrix in llama.cpp's Q4_1 layout (32-weight blocks, each with a scale and a minimum) or
+/// its Q4_0 one (a scale only: w = d·(q - 8)).
 pub struct Q4Matrix {
     rows: usize,
     cols: usize,
-    width: usize,            // cols padded to whole groups
-    packed: WeightBuf<u8>,   // [ceil(rows / 16)][width / 8][64]
-    scale: WeightBuf<f16>,   // [ceil(rows / 16)][width / 32][16]: d
-    minimum: WeightBuf<f16>, // as scale: m
+    width: usize,                    // cols padded to whole groups
+    packed: WeightBuf<u8>,           // [ceil(rows / 16)][width / 8][64]
+    scale: WeightBuf<f16>,           // [ceil(rows / 16)][width / 32][16]: d
+    minimum: Option<WeightBuf<f16>>, // as scale: m (Q4_1), or None (Q4_0)
 }
 
 impl Q4Matrix {
@@ -85,25 +87,26 @@ impl Q4Matrix {
                 m[o * groups + g] = mh;
             }
         }
-        Q4Matrix::from_parts(&q, &d, &m, rows, cols)
+        Q4Matrix::from_parts(&q, &d, Some(&m), rows, cols)
     }
 
-    /// A matrix from its values q (rows, cols) in 0..=15, and d and m (rows, ceil(cols / 32)):
-    /// a Q4_1 tensor's blocks, unpacked. Exact: w = d·q + m.
+    /// A matrix from its values q (rows, cols) in 0..=15, d and m (rows, ceil(cols / 32)): a
+    /// Q4_1 tensor's blocks, unpacked, exact: w = d·q + m. Without m, a Q4_0 tensor's:
+    /// w = d·(q - 8).
     pub fn from_parts(
         q: &[u8],
         d: &[f16],
-        m: &[f16],
+        m: Option<&[f16]>,
         rows: usize,
         cols: usize,
     ) -> Result<Q4Matrix, Error> {
         check_shape(rows, cols, q.len())?;
         let groups = cols.div_ceil(GROUP);
-        if d.len() != rows * groups || m.len() != rows * groups {
+        let m_len = m.map_or(rows * groups, <[f16]>::len);
+        if d.len() != rows * groups || m_len != rows * groups {
             return Err(Error::value(format!(
-                "d and m must hold {rows} x {groups} values, got {} and {}",
+                "d and m must hold {rows} x {groups} values, got {} and {m_len}",
                 d.len(),
-                m.len()
             )));
         }
         if let Some(bad) = q.iter().find(|&&v| v > 15) {
@@ -111,7 +114,7 @@ impl Q4Matrix {
                 "4-bit values must be 0..=15, found {bad}"
             )));
         }
-        if let Some(bad) = d.iter().chain(m).find(|v| !v.is_finite()) {
+        if let Some(bad) = d.iter().chain(m.unwrap_or(&[])).find(|v| !v.is_finite()) {
             return Err(Error::value(format!("d and m must be finite, found {bad}")));
         }
         let width = cols.next_multiple_of(GROUP);
@@ -119,7 +122,7 @@ impl Q4Matrix {
         let pairs = width / 8;
         let mut packed = WeightBuf::from_elem(0u8, blocks * pairs * 64);
         let mut scale = WeightBuf::from_elem(f16::ZERO, blocks * groups * BLOCK);
-        let mut minimum = WeightBuf::from_elem(f16::ZERO, blocks * groups * BLOCK);
+        let mut minimum = m.map(|_| WeightBuf::from_elem(f16::ZERO, blocks * groups * BLOCK));
         for o in 0..rows {
             let (b, lane) = (o / BLOCK, o % BLOCK);
             for k in 0..cols {
@@ -129,7 +132,9 @@ impl Q4Matrix {
             }
             for g in 0..groups {
                 scale[(b * groups + g) * BLOCK + lane] = d[o * groups + g];
-                minimum[(b * groups + g) * BLOCK + lane] = m[o * groups + g];
+                if let (Some(to), Some(m)) = (minimum.as_mut(), m) {
+                    to[(b * groups + g) * BLOCK + lane] = m[o * groups + g];
+                }
             }
         }
         Ok(Q4Matrix {
@@ -154,15 +159,19 @@ impl Q4Matrix {
 
     /// Bytes a pass reads: the packed values and their scales and minimums.
     pub fn nbytes(&self) -> usize {
-        self.packed.len() + 2 * (self.scale.len() + self.minimum.len())
+        self.packed.len() + 2 * (self.scale.len() + self.minimum.as_ref().map_or(0, |m| m.len()))
     }
 
-    /// The values (rows, cols) and d and m (rows, ceil(cols / 32)), as `from_parts` takes them.
-    pub fn parts(&self) -> (Vec<u8>, Vec<f16>, Vec<f16>) {
+    /// The values (rows, cols) and d and m (rows, ceil(cols / 32)), as `from_parts` takes them
+    /// (m None for Q4_0).
+    pub fn parts(&self) -> (Vec<u8>, Vec<f16>, Option<Vec<f16>>) {
         let (pairs, groups) = (self.width / 8, self.width / GROUP);
         let mut q = vec![0u8; self.rows * self.cols];
         let mut d = vec![f16::ZERO; self.rows * groups];
-        let mut m = vec![f16::ZERO; self.rows * groups];
+        let mut m = self
+            .minimum
+            .as_ref()
+            .map(|_| vec![f16::ZERO; self.rows * groups]);
         for o in 0..self.rows {
             let (b, lane) = (o / BLOCK, o % BLOCK);
             for k in 0..self.cols {
@@ -171,8 +180,11 @@ impl Q4Matrix {
                 q[o * self.cols + k] = (byte >> (4 * (run % 2))) & 15;
             }
             for g in 0..groups {
-                d[o * groups + g] = self.scale[(b * groups + g) * BLOCK + lane];
-                m[o * groups + g] = self.minimum[(b * groups + g) * BLOCK + lane];
+                let at = (b * groups + g) * BLOCK + lane;
+                d[o * groups + g] = self.scale[at];
+                if let (Some(m), Some(from)) = (m.as_mut(), self.minimum.as_ref()) {
+                    m[o * groups + g] = from[at];
+                }
             }
         }
         (q, d, m)
@@ -186,7 +198,10 @@ impl Q4Matrix {
             return Ok(());
         }
         let acts = Activations::quantize(x, n, self.cols, self.width);
-        let sums = group_sums(&acts);
+        let sums = match self.minimum {
+            Some(_) => GroupSums::Float(group_sums(&acts)),
+            None => GroupSums::Start(acts.sums.iter().map(|&t| -8 * t).collect()),
+        };
         let blocks = self.rows.div_ceil(BLOCK);
         let out = Shared::new(out);
         let most = rows_per_call(kernel);
@@ -221,7 +236,7 @@ impl Q4Matrix {
         kernel: Kernel,
         b: usize,
         acts: &Activations,
-        sums: &[f32],
+        sums: &GroupSums,
         r0: usize,
         m: usize,
         acc: &mut [f32],
@@ -229,39 +244,85 @@ impl Q4Matrix {
         let (pairs, groups) = (self.width / 8, self.width / GROUP);
         let w = &self.packed[b * pairs * 64..(b + 1) * pairs * 64];
         let d = &self.scale[b * groups * BLOCK..(b + 1) * groups * BLOCK];
-        let mn = &self.minimum[b * groups * BLOCK..(b + 1) * groups * BLOCK];
+        let mn = (self.minimum.as_ref()).map(|m| &m[b * groups * BLOCK..(b + 1) * groups * BLOCK]);
         let (xs, sx, _) = acts.rows(r0, m);
-        let rows = Rows {
-            xs,
-            sx,
-            xsum: &sums[r0 * groups..(r0 + m) * groups],
+        let (at, none_f, none_i) = (r0 * groups..(r0 + m) * groups, &[][..], &[][..]);
+        let rows = match sums {
+            GroupSums::Float(f) => Rows {
+                xs,
+                sx,
+                xsum: &f[at],
+                start: none_i,
+            },
+            GroupSums::Start(i) => Rows {
+                xs,
+                sx,
+                xsum: none_f,
+                start: &i[at],
+            },
         };
         let block = Block {
             w,
             d,
-            m: mn,
+            m: mn.unwrap_or(&[]),
             width: self.width,
         };
+        // Each kernel is built twice, for Q4_1 and for Q4_0 (`S`): a branch on the layout in
+        // the AVX-512 kernel's loop halved its 9-row speed.
+        #[cfg(target_arch = "x86_64")]
+        macro_rules! layouts {
+            ($run:ident) => {
+                if mn.is_some() {
+                    $run!(false)
+                } else {
+                    $run!(true)
+                }
+            };
+        }
         // The AVX2-width kernels: whole blocks for 1-2 rows, half blocks for more.
         #[cfg(target_arch = "x86_64")]
         macro_rules! ymm {
-            ($dot:ident, $dot_half:ident) => {
-                match m {
-                    1 => x86::$dot::<1>(&block, &rows, acc),
-                    2 => x86::$dot::<2>(&block, &rows, acc),
-                    _ => {
-                        let half_kernel = match m {
-                            3 => x86::$dot_half::<3>,
-                            4 => x86::$dot_half::<4>,
-                            5 => x86::$dot_half::<5>,
-                            6 => x86::$dot_half::<6>,
-                            7 => x86::$dot_half::<7>,
-                            _ => x86::$dot_half::<8>,
-                        };
-                        for half in 0..2 {
-                            half_kernel(&block, half, &rows, acc);
+            ($dot:ident, $dot_half:ident) => {{
+                macro_rules! run {
+                    ($s:literal) => {
+                        match m {
+                            1 => x86::$dot::<1, $s>(&block, &rows, acc),
+                            2 => x86::$dot::<2, $s>(&block, &rows, acc),
+                            _ => {
+                                let half_kernel = match m {
+                                    3 => x86::$dot_half::<3, $s>,
+                                    4 => x86::$dot_half::<4, $s>,
+                                    5 => x86::$dot_half::<5, $s>,
+                                    6 => x86::$dot_half::<6, $s>,
+                                    7 => x86::$dot_half::<7, $s>,
+                                    _ => x86::$dot_half::<8, $s>,
+                                };
+                                for half in 0..2 {
+                                    half_kernel(&block, half, &rows, acc);
+                                }
+                            }
                         }
-                    }
+                    };
+                }
+                layouts!(run)
+            }};
+        }
+        #[cfg(target_arch = "x86_64")]
+        macro_rules! vnni {
+            ($s:literal) => {
+                match m {
+                    1 => x86::dot_vnni::<1, $s>(&block, &rows, acc),
+                    2 => x86::dot_vnni::<2, $s>(&block, &rows, acc),
+                    3 => x86::dot_vnni::<3, $s>(&block, &rows, acc),
+                    4 => x86::dot_vnni::<4, $s>(&block, &rows, acc),
+                    5 => x86::dot_vnni::<5, $s>(&block, &rows, acc),
+                    6 => x86::dot_vnni::<6, $s>(&block, &rows, acc),
+                    7 => x86::dot_vnni::<7, $s>(&block, &rows, acc),
+                    8 => x86::dot_vnni::<8, $s>(&block, &rows, acc),
+                    9 => x86::dot_vnni::<9, $s>(&block, &rows, acc),
+                    10 => x86::dot_vnni::<10, $s>(&block, &rows, acc),
+                    11 => x86::dot_vnni::<11, $s>(&block, &rows, acc),
+                    _ => x86::dot_vnni::<12, $s>(&block, &rows, acc),
                 }
             };
         }
@@ -270,22 +331,7 @@ impl Q4Matrix {
             // SAFETY: a kernel other than Scalar passed `supported()`, so the CPU has AVX2 (every
             // such kernel's CPU has it); F16C is checked here (by `rows_per_call` for VNNI).
             // Slice lengths are as read.
-            Kernel::Avx512Vnni if rows_per_call(kernel) == VNNI_ROWS => unsafe {
-                match m {
-                    1 => x86::dot_vnni::<1>(&block, &rows, acc),
-                    2 => x86::dot_vnni::<2>(&block, &rows, acc),
-                    3 => x86::dot_vnni::<3>(&block, &rows, acc),
-                    4 => x86::dot_vnni::<4>(&block, &rows, acc),
-                    5 => x86::dot_vnni::<5>(&block, &rows, acc),
-                    6 => x86::dot_vnni::<6>(&block, &rows, acc),
-                    7 => x86::dot_vnni::<7>(&block, &rows, acc),
-                    8 => x86::dot_vnni::<8>(&block, &rows, acc),
-                    9 => x86::dot_vnni::<9>(&block, &rows, acc),
-                    10 => x86::dot_vnni::<10>(&block, &rows, acc),
-                    11 => x86::dot_vnni::<11>(&block, &rows, acc),
-                    _ => x86::dot_vnni::<12>(&block, &rows, acc),
-                }
-            },
+            Kernel::Avx512Vnni if rows_per_call(kernel) == VNNI_ROWS => unsafe { layouts!(vnni) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             Kernel::Avx2 if has_f16c() => unsafe { ymm!(dot, dot_half) },
@@ -379,6 +425,13 @@ fn has_f16c() -> bool {
     is_x86_feature_detected!("f16c")
 }
 
+/// Per row and group, what a product needs of the activations' sums: Q4_1's m · Σ x term
+/// takes sx · Σ xq; Q4_0's integer sums start at -8 Σ xq.
+enum GroupSums {
+    Float(Vec<f32>),
+    Start(Vec<i32>),
+}
+
 /// Per row and group: sx · Σ xq, the group's activation sum (for the m · Σ x term).
 fn group_sums(acts: &Activations) -> Vec<f32> {
     acts.scales
@@ -389,15 +442,17 @@ fn group_sums(acts: &Activations) -> Vec<f32> {
 }
 
 /// The activation rows of a kernel call: their int8 values, and per row and group the scale sx
-/// and sx · Σ xq.
+/// and, for Q4_1, sx · Σ xq (xsum), for Q4_0 -8 Σ xq (start; each empty for the other).
 #[derive(Clone, Copy)]
 struct Rows<'a> {
     xs: &'a [i8],
     sx: &'a [f32],
     xsum: &'a [f32],
+    start: &'a [i32],
 }
 
-/// One block of 16 output rows: its packed values and its d and m ([groups][16]).
+/// One block of 16 output rows: its packed values and its d and m ([groups][16]; m empty for
+/// Q4_0).
 struct Block<'a> {
     w: &'a [u8],
     d: &'a [f16],
@@ -406,26 +461,34 @@ struct Block<'a> {
 }
 
 fn dot_scalar(blk: &Block<'_>, rows: &Rows<'_>, m: usize, acc: &mut [f32]) {
-    let Rows { xs, sx, xsum } = *rows;
+    let Rows {
+        xs,
+        sx,
+        xsum,
+        start,
+    } = *rows;
     let groups = blk.width / GROUP;
     for i in 0..m {
         let x = &xs[i * blk.width..(i + 1) * blk.width];
         for lane in 0..BLOCK {
             let mut total = 0.0f32;
             for g in 0..groups {
-                let mut s = 0i32;
+                let mut s = if blk.m.is_empty() {
+                    start[i * groups + g]
+                } else {
+                    0i32
+                };
                 for (k, &xk) in x.iter().enumerate().skip(g * GROUP).take(GROUP) {
                     let run = k / 4;
                     let byte = blk.w[(run / 2) * 64 + lane * 4 + k % 4];
                     let q = (byte >> (4 * (run % 2))) & 15;
                     s += i32::from(q) * i32::from(xk);
                 }
-                let (d, mn) = (
-                    blk.d[g * BLOCK + lane].to_f32(),
-                    blk.m[g * BLOCK + lane].to_f32(),
-                );
+                let d = blk.d[g * BLOCK + lane].to_f32();
                 total += (s as f32) * (d * sx[i * groups + g]);
-                total += mn * xsum[i * groups + g];
+                if !blk.m.is_empty() {
+                    total += blk.m[g * BLOCK + lane].to_f32() * xsum[i * groups + g];
+                }
             }
             acc[i * BLOCK + lane] = total;
         }
@@ -460,8 +523,17 @@ mod x86 {
             /// activations broadcast. The sums add up across the group's 4 pairs and widen once
             /// per group.
             #[target_feature(enable = $features)]
-            pub unsafe fn $dot<const R: usize>(blk: &Block<'_>, rows: &Rows<'_>, acc: &mut [f32]) {
-                let Rows { xs, sx, xsum } = *rows;
+            pub unsafe fn $dot<const R: usize, const S: bool>(
+                blk: &Block<'_>,
+                rows: &Rows<'_>,
+                acc: &mut [f32],
+            ) {
+                let Rows {
+                    xs,
+                    sx,
+                    xsum,
+                    start,
+                } = *rows;
                 let groups = blk.width / GROUP;
                 let nibble = _mm256_set1_epi8(15);
                 let wp = blk.w.as_ptr();
@@ -493,17 +565,31 @@ mod x86 {
                             }
                         }
                     }
-                    let (d, m) = (blk.d.as_ptr().add(g * BLOCK), blk.m.as_ptr().add(g * BLOCK));
+                    let d = blk.d.as_ptr().add(g * BLOCK);
                     let d = [eight(d), eight(d.add(8))];
-                    let m = [eight(m), eight(m.add(8))];
                     for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
                         let s = _mm256_set1_ps(sx[i * groups + g]);
-                        let xs = _mm256_set1_ps(xsum[i * groups + g]);
                         for h in 0..2 {
-                            let exact = _mm256_cvtepi32_ps($widen(si[h]));
+                            let int = if S {
+                                _mm256_add_epi32(
+                                    $widen(si[h]),
+                                    _mm256_set1_epi32(start[i * groups + g]),
+                                )
+                            } else {
+                                $widen(si[h])
+                            };
+                            let exact = _mm256_cvtepi32_ps(int);
                             let t =
                                 _mm256_add_ps(ti[h], _mm256_mul_ps(exact, _mm256_mul_ps(d[h], s)));
-                            ti[h] = _mm256_add_ps(t, _mm256_mul_ps(m[h], xs));
+                            ti[h] = if S {
+                                t
+                            } else {
+                                let m = eight(blk.m.as_ptr().add(g * BLOCK + 8 * h));
+                                _mm256_add_ps(
+                                    t,
+                                    _mm256_mul_ps(m, _mm256_set1_ps(xsum[i * groups + g])),
+                                )
+                            };
                         }
                     }
                 }
@@ -519,13 +605,18 @@ mod x86 {
             /// from L1; for 1-2 rows, whose passes read the weights from memory, `dot` reads them
             /// once.
             #[target_feature(enable = $features)]
-            pub unsafe fn $dot_half<const R: usize>(
+            pub unsafe fn $dot_half<const R: usize, const S: bool>(
                 blk: &Block<'_>,
                 half: usize,
                 rows: &Rows<'_>,
                 acc: &mut [f32],
             ) {
-                let Rows { xs, sx, xsum } = *rows;
+                let Rows {
+                    xs,
+                    sx,
+                    xsum,
+                    start,
+                } = *rows;
                 let groups = blk.width / GROUP;
                 let nibble = _mm256_set1_epi8(15);
                 let wp = blk.w.as_ptr().add(32 * half);
@@ -553,14 +644,27 @@ mod x86 {
                         }
                     }
                     let d = eight(blk.d.as_ptr().add(g * BLOCK + 8 * half));
-                    let m = eight(blk.m.as_ptr().add(g * BLOCK + 8 * half));
                     for (i, si) in sums.iter().enumerate() {
                         let s = _mm256_set1_ps(*sx.get_unchecked(i * groups + g));
-                        let xs = _mm256_set1_ps(*xsum.get_unchecked(i * groups + g));
-                        let exact = _mm256_cvtepi32_ps($widen(*si));
+                        let int = if S {
+                            _mm256_add_epi32(
+                                $widen(*si),
+                                _mm256_set1_epi32(*start.get_unchecked(i * groups + g)),
+                            )
+                        } else {
+                            $widen(*si)
+                        };
+                        let exact = _mm256_cvtepi32_ps(int);
                         let t = _mm256_loadu_ps(total(i));
                         let t = _mm256_add_ps(t, _mm256_mul_ps(exact, _mm256_mul_ps(d, s)));
-                        _mm256_storeu_ps(total(i), _mm256_add_ps(t, _mm256_mul_ps(m, xs)));
+                        let t = if S {
+                            t
+                        } else {
+                            let m = eight(blk.m.as_ptr().add(g * BLOCK + 8 * half));
+                            let xs = _mm256_set1_ps(*xsum.get_unchecked(i * groups + g));
+                            _mm256_add_ps(t, _mm256_mul_ps(m, xs))
+                        };
+                        _mm256_storeu_ps(total(i), t);
                     }
                 }
             }
@@ -592,8 +696,17 @@ mod x86 {
     /// whole block a multiply and nothing to widen. Up to 4 rows, each run has its own sum, so
     /// that one row's vpdpbusd chain is not the pass's latency.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn dot_vnni<const R: usize>(blk: &Block<'_>, rows: &Rows<'_>, acc: &mut [f32]) {
-        let Rows { xs, sx, xsum } = *rows;
+    pub unsafe fn dot_vnni<const R: usize, const S: bool>(
+        blk: &Block<'_>,
+        rows: &Rows<'_>,
+        acc: &mut [f32],
+    ) {
+        let Rows {
+            xs,
+            sx,
+            xsum,
+            start,
+        } = *rows;
         let groups = blk.width / GROUP;
         let split = R <= 4;
         let nibble = _mm512_set1_epi8(15);
@@ -602,6 +715,11 @@ mod x86 {
         let mut total = [_mm512_setzero_ps(); R];
         for g in 0..groups {
             let mut sums = [[_mm512_setzero_si512(); 2]; R];
+            if S {
+                for (i, si) in sums.iter_mut().enumerate() {
+                    si[0] = _mm512_set1_epi32(*start.get_unchecked(i * groups + g));
+                }
+            }
             for pair in g * 4..(g + 1) * 4 {
                 // One or two rows read faster than the hardware prefetches: into L2, 4 KB
                 // ahead; more rows keep 2 KB into L1 (bench_runtime.py; docs/benchmarks.md
@@ -628,10 +746,13 @@ mod x86 {
                 }
             }
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk.d.as_ptr().add(g * BLOCK).cast()));
-            let m = _mm512_cvtph_ps(_mm256_loadu_si256(blk.m.as_ptr().add(g * BLOCK).cast()));
+            let m = if S {
+                _mm512_setzero_ps()
+            } else {
+                _mm512_cvtph_ps(_mm256_loadu_si256(blk.m.as_ptr().add(g * BLOCK).cast()))
+            };
             for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
                 let s = _mm512_set1_ps(*sx.get_unchecked(i * groups + g));
-                let xs = _mm512_set1_ps(*xsum.get_unchecked(i * groups + g));
                 let sum = if split {
                     _mm512_add_epi32(si[0], si[1])
                 } else {
@@ -639,7 +760,12 @@ mod x86 {
                 };
                 let exact = _mm512_cvtepi32_ps(sum);
                 let t = _mm512_add_ps(*ti, _mm512_mul_ps(exact, _mm512_mul_ps(d, s)));
-                *ti = _mm512_add_ps(t, _mm512_mul_ps(m, xs));
+                *ti = if S {
+                    t
+                } else {
+                    let xs = _mm512_set1_ps(*xsum.get_unchecked(i * groups + g));
+                    _mm512_add_ps(t, _mm512_mul_ps(m, xs))
+                };
             }
         }
         for (i, ti) in total.iter().enumerate() {
@@ -682,14 +808,47 @@ mod tests {
                         .map(|k| f64::from(xq[k]) * f64::from(q[o * cols + k]))
                         .sum();
                     let sum: f64 = ks.map(|k| f64::from(xq[k])).sum();
-                    let (dg, mg) = (d[o * groups + g].to_f32(), m[o * groups + g].to_f32());
-                    total += (dot as f32) * (dg * s);
-                    total += mg * (s * sum as f32);
+                    let dg = d[o * groups + g].to_f32();
+                    match &m {
+                        Some(m) => {
+                            total += (dot as f32) * (dg * s);
+                            total += m[o * groups + g].to_f32() * (s * sum as f32);
+                        }
+                        None => total += ((dot - 8.0 * sum) as f32) * (dg * s),
+                    }
                 }
                 out[r * rows + o] = total;
             }
         }
         out
+    }
+
+    /// A Q4_0 matrix of random values and scales (as a GGUF's Q4_0 tensor would hold).
+    fn symmetric(seed: u64, rows: usize, cols: usize) -> Q4Matrix {
+        let groups = cols.div_ceil(GROUP);
+        let q: Vec<u8> = (lcg(seed, rows * cols).iter())
+            .map(|v| ((v + 1.0) * 8.0).clamp(0.0, 15.0) as u8)
+            .collect();
+        let d: Vec<f16> = (lcg(seed + 1, rows * groups).iter())
+            .map(|v| f16::from_f32(0.01 + v.abs() / 8.0))
+            .collect();
+        Q4Matrix::from_parts(&q, &d, None, rows, cols).unwrap()
+    }
+
+    /// The weight w[o, k] a matrix stands for, from its parts.
+    fn weight(
+        parts: &(Vec<u8>, Vec<f16>, Option<Vec<f16>>),
+        cols: usize,
+        o: usize,
+        k: usize,
+    ) -> f32 {
+        let (q, d, m) = parts;
+        let g = o * cols.div_ceil(GROUP) + k / GROUP;
+        let q = f32::from(q[o * cols + k]);
+        match m {
+            Some(m) => d[g].to_f32() * q + m[g].to_f32(),
+            None => d[g].to_f32() * (q - 8.0),
+        }
     }
 
     fn same_bits(a: &[f32], b: &[f32]) -> bool {
@@ -707,16 +866,20 @@ mod tests {
             (1000, 96, 5), // parallel
             (50, 96, 70),  // many rows
         ] {
-            let m = Q4Matrix::quantize(&lcg(rows as u64, rows * cols), rows, cols).unwrap();
+            let q41 = Q4Matrix::quantize(&lcg(rows as u64, rows * cols), rows, cols).unwrap();
+            let q40 = symmetric(rows as u64, rows, cols);
             let x = lcg(7 + n as u64, n * cols);
-            let want = reference(&m, &x, n);
-            for k in kernels() {
-                let mut out = vec![0.0; n * rows];
-                m.matmul(&x, &mut out, k).unwrap();
-                assert!(
-                    same_bits(&out, &want),
-                    "{k:?} at ({rows}, {cols}) x {n} rows"
-                );
+            for m in [q41, q40] {
+                let want = reference(&m, &x, n);
+                for k in kernels() {
+                    let mut out = vec![0.0; n * rows];
+                    m.matmul(&x, &mut out, k).unwrap();
+                    assert!(
+                        same_bits(&out, &want),
+                        "{k:?} at ({rows}, {cols}) x {n} rows, Q4_{}",
+                        i32::from(m.minimum.is_some())
+                    );
+                }
             }
         }
     }
@@ -757,17 +920,15 @@ mod tests {
         let (rows, cols) = (20, 70);
         let w = lcg(3, rows * cols);
         let m = Q4Matrix::quantize(&w, rows, cols).unwrap();
-        let (q, d, mn) = m.parts();
-        let again = Q4Matrix::from_parts(&q, &d, &mn, rows, cols).unwrap();
+        let parts = m.parts();
+        let (q, d, mn) = &parts;
+        let again = Q4Matrix::from_parts(q, d, mn.as_deref(), rows, cols).unwrap();
         assert_eq!(again.packed[..], m.packed[..]);
         let groups = cols.div_ceil(GROUP);
         for o in 0..rows {
             for k in 0..cols {
-                let (dg, mg) = (
-                    d[o * groups + k / GROUP].to_f32(),
-                    mn[o * groups + k / GROUP],
-                );
-                let v = dg * f32::from(q[o * cols + k]) + mg.to_f32();
+                let dg = d[o * groups + k / GROUP].to_f32();
+                let v = weight(&parts, cols, o, k);
                 // half a step of 1/15 of the group's range, plus f16 rounding of d and m
                 assert!(
                     (v - w[o * cols + k]).abs() <= dg * 0.5 + 2e-3,
@@ -779,24 +940,59 @@ mod tests {
     }
 
     #[test]
+    fn q4_0_round_trips_without_a_minimum() {
+        let (rows, cols) = (20, 70);
+        let m = symmetric(3, rows, cols);
+        let (q, d, mn) = m.parts();
+        assert!(mn.is_none());
+        let again = Q4Matrix::from_parts(&q, &d, None, rows, cols).unwrap();
+        assert_eq!(again.packed[..], m.packed[..]);
+        assert_eq!(again.scale[..], m.scale[..]);
+        // 4.5 bits a weight against Q4_1's 5
+        let with_min = Q4Matrix::quantize(&lcg(3, rows * cols), rows, cols).unwrap();
+        assert_eq!(with_min.nbytes() - m.nbytes(), 2 * 32 * 3);
+    }
+
+    #[test]
     fn close_to_the_float_product_of_its_weights() {
         let (rows, cols, n) = (64, 256, 4);
         let x = lcg(4, n * cols);
-        let m = Q4Matrix::quantize(&lcg(3, rows * cols), rows, cols).unwrap();
-        let (q, d, mn) = m.parts();
-        let w = |o: usize, k: usize| {
-            let g = o * (cols / GROUP) + k / GROUP;
-            d[g].to_f32() * f32::from(q[o * cols + k]) + mn[g].to_f32()
-        };
-        let mut out = vec![0.0; n * rows];
-        m.matmul(&x, &mut out, Kernel::best()).unwrap();
-        for r in 0..n {
-            for o in 0..rows {
-                let exact: f32 = (0..cols).map(|k| x[r * cols + k] * w(o, k)).sum();
-                let got = out[r * rows + o];
-                assert!((got - exact).abs() < 0.03, "{got} vs {exact}");
+        let q41 = Q4Matrix::quantize(&lcg(3, rows * cols), rows, cols).unwrap();
+        for m in [q41, symmetric(3, rows, cols)] {
+            let parts = m.parts();
+            let mut out = vec![0.0; n * rows];
+            m.matmul(&x, &mut out, Kernel::best()).unwrap();
+            for r in 0..n {
+                for o in 0..rows {
+                    let exact: f32 = (0..cols)
+                        .map(|k| x[r * cols + k] * weight(&parts, cols, o, k))
+                        .sum();
+                    let got = out[r * rows + o];
+                    assert!((got - exact).abs() < 0.03, "{got} vs {exact}");
+                }
             }
         }
+    }
+
+    #[test]
+    fn q4_0_is_not_q4_1_with_a_zero_minimum() {
+        // The control for the -8: read as Q4_1 with m = 0, the same values and scales give a
+        // product far from d·(q - 8)'s.
+        let (rows, cols, n) = (32, 64, 2);
+        let m = symmetric(8, rows, cols);
+        let (q, d, _) = m.parts();
+        let zero = vec![f16::ZERO; d.len()];
+        let wrong = Q4Matrix::from_parts(&q, &d, Some(&zero), rows, cols).unwrap();
+        let x = lcg(9, n * cols);
+        let (mut a, mut b) = (vec![0.0; n * rows], vec![0.0; n * rows]);
+        m.matmul(&x, &mut a, Kernel::best()).unwrap();
+        wrong.matmul(&x, &mut b, Kernel::best()).unwrap();
+        let far = a
+            .iter()
+            .zip(&b)
+            .filter(|(x, y)| (*x - *y).abs() > 0.1)
+            .count();
+        assert!(far > a.len() / 2, "{far} of {}", a.len());
     }
 
     #[test]
@@ -812,21 +1008,26 @@ mod tests {
         assert!(Q4Matrix::quantize(&[1.0, f32::INFINITY], 1, 2).is_err());
         assert!(Q4Matrix::quantize(&[], 0, 0).is_err());
         let d = [f16::ONE];
-        assert!(Q4Matrix::from_parts(&[16, 0], &d, &d, 1, 2).is_err());
-        assert!(Q4Matrix::from_parts(&[1, 0], &d, &[f16::NAN], 1, 2).is_err());
-        assert!(Q4Matrix::from_parts(&[1, 0], &d, &[], 1, 2).is_err());
+        assert!(Q4Matrix::from_parts(&[16, 0], &d, Some(&d), 1, 2).is_err());
+        assert!(Q4Matrix::from_parts(&[16, 0], &d, None, 1, 2).is_err());
+        assert!(Q4Matrix::from_parts(&[1, 0], &d, Some(&[f16::NAN]), 1, 2).is_err());
+        assert!(Q4Matrix::from_parts(&[1, 0], &[f16::NAN], None, 1, 2).is_err());
+        assert!(Q4Matrix::from_parts(&[1, 0], &d, Some(&[]), 1, 2).is_err());
+        assert!(Q4Matrix::from_parts(&[1, 0], &[], None, 1, 2).is_err());
     }
 
     proptest! {
         #[test]
         fn kernels_agree(rows in 1usize..40, cols in 1usize..100, n in 1usize..12, seed in 0u64..1000) {
-            let m = Q4Matrix::quantize(&lcg(seed, rows * cols), rows, cols).unwrap();
+            let q41 = Q4Matrix::quantize(&lcg(seed, rows * cols), rows, cols).unwrap();
             let x = lcg(seed + 1, n * cols);
-            let want = reference(&m, &x, n);
-            for k in kernels() {
-                let mut out = vec![0.0; n * rows];
-                m.matmul(&x, &mut out, k).unwrap();
-                prop_assert!(same_bits(&out, &want));
+            for m in [q41, symmetric(seed, rows, cols)] {
+                let want = reference(&m, &x, n);
+                for k in kernels() {
+                    let mut out = vec![0.0; n * rows];
+                    m.matmul(&x, &mut out, k).unwrap();
+                    prop_assert!(same_bits(&out, &want));
+                }
             }
         }
     }

@@ -53,11 +53,17 @@ class LayerQuantizer:
         self.layers: list[list] = []
         self.head = None
 
-    def layer(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Layer i's tensors (our names), its matrices quantized and replaced by placeholders."""
+    def layer(
+        self, i: int, tensors: dict[str, torch.Tensor], ready: dict | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Layer i's tensors (our names), its matrices quantized and replaced by placeholders;
+        those in `ready` (name -> core matrix, with a placeholder in `tensors`) taken as they
+        are."""
+        ready = ready or {}
         row = []
         for m in MATRICES:
-            row.append(self._take(tensors, f"layers.{i}.{m}.weight", self.kind))
+            name = f"layers.{i}.{m}.weight"
+            row.append(ready[name] if name in ready else self._take(tensors, name, self.kind))
         self.layers.append(row)
         return tensors
 

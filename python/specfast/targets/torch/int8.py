@@ -76,9 +76,12 @@ def dequantize(m: Int8Matrix | Q4Matrix | FloatMatrix) -> torch.Tensor:
     if isinstance(m, FloatMatrix):
         return torch.from_numpy(m.weights())
     if isinstance(m, Q4Matrix):
-        q, d, mins = (torch.from_numpy(a) for a in m.parts())  # (N, K), (N, G), (N, G)
+        q, d, mins = m.parts()  # (N, K), (N, G), (N, G) or None (Q4_0)
         groups = torch.arange(m.cols) // 32
-        return q.float() * d[:, groups] + mins[:, groups]
+        scale = torch.from_numpy(d)[:, groups]
+        if mins is None:
+            return (torch.from_numpy(q).float() - 8) * scale
+        return torch.from_numpy(q).float() * scale + torch.from_numpy(mins)[:, groups]
     q8, scales = m.weights()
     return torch.from_numpy(q8).float() * torch.from_numpy(scales)[:, None]
 
