@@ -188,10 +188,11 @@ def tiny_llama_gguf(path, max_positions: int = 256):
     return write_tiny_gguf(transformers.LlamaForCausalLM(config).eval(), path)
 
 
-def write_tiny_gguf(hf_model, path):
+def write_tiny_gguf(hf_model, path, matrices=None):
     """Write a transformers llama/qwen2/qwen3/gemma3 model as llama.cpp would (F32 tensors,
     permuted Q/K for llama, Gemma's norms as 1 + w), with a tiny byte-level BPE tokenizer of
-    vocab_size tokens."""
+    vocab_size tokens. `matrices` (a GGMLQuantizationType): the token embedding and the layers'
+    matrices whose rows hold whole 32-value blocks in that type, quantized by gguf."""
     import gguf
 
     cfg = hf_model.config
@@ -231,7 +232,12 @@ def write_tiny_gguf(hf_model, path):
     w.add_eos_token_id(len(tokens) - 1)
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     permute = arch == "llama"
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    embedding = sd["model.embed_tokens.weight"]
+    if matrices is not None and embedding.shape[1] % 32 == 0:
+        q = gguf.quants.quantize(embedding, matrices)
+        w.add_tensor("token_embd.weight", q, raw_dtype=matrices)
+    else:
+        w.add_tensor("token_embd.weight", embedding)
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not cfg.tie_word_embeddings:
         w.add_tensor("output.weight", sd["lm_head.weight"])
@@ -255,7 +261,12 @@ def write_tiny_gguf(hf_model, path):
                     continue
                 if permute and ours in ("attn_q", "attn_k"):
                     t = llama_cpp_permute(t, nh if ours == "attn_q" else nkv)
-                w.add_tensor(f"blk.{i}.{ours}.{kind}", np.ascontiguousarray(t))
+                t = np.ascontiguousarray(t)
+                if matrices is not None and t.ndim == 2 and t.shape[1] % 32 == 0:
+                    q = gguf.quants.quantize(t, matrices)
+                    w.add_tensor(f"blk.{i}.{ours}.{kind}", q, raw_dtype=matrices)
+                    continue
+                w.add_tensor(f"blk.{i}.{ours}.{kind}", t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

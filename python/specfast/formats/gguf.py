@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specfast._core import Q4Matrix
 from specfast.formats.common import (
     SUPPORTED_ARCHS,
     LayerQuantizer,
@@ -19,10 +20,11 @@ from specfast.formats.common import (
 )
 from specfast.formats.spm import spm_tokenizer
 from specfast.targets.llama_cpp.state import llama_state
+from specfast.targets.torch.embedding import FileEmbedding
 from specfast.targets.torch.model import Model, ModelConfig
 
-# ggml's 4-bit types: each group of 32 weights is 16 levels on an affine scale, which a Q4_1
-# group of the q4 weights holds (exactly for Q4_0 and Q4_1).
+# ggml's 4-bit types: each group of 32 weights is 16 levels on an affine scale, which a group of
+# the q4 weights holds (Q4_0 tensors as they are, Q4_1 requantized exactly).
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
 
 
@@ -52,6 +54,41 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def four_bit_parts(t) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """A 4-bit tensor's values q (rows, cols) uint8 in 0..=15, scales d and minimums m (rows,
+    cols / 32) float32, as Q4Matrix.from_parts takes them: Q4_0 as its blocks hold them (m None:
+    w = d·(q - 8)), Q4_1 too (w = d·q + m), Q4_K with each 32-value group's d·sc and
+    -dmin·min, which from_parts rounds to f16 (a relative 2^-11 of a step). None for other
+    types."""
+    kind = t.tensor_type.name
+    if kind not in ("Q4_0", "Q4_1", "Q4_K"):
+        return None
+    cols = int(t.shape[0])
+    rows = int(np.prod([int(n) for n in t.shape[1:]]))
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)
+
+    def halves(b):  # f16 fields of every block
+        return b.copy().view(np.float16).astype(np.float32)
+
+    if kind == "Q4_K":
+        from gguf.quants import Q4_K
+
+        blocks = raw.reshape(-1, 144)  # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128
+        d, dmin = halves(blocks[:, :2]), halves(blocks[:, 2:4])
+        sc, mins = Q4_K.get_scale_min(blocks[:, 4:16])  # (blocks, 8): per group of 32
+        # 4 runs of 32 bytes, each two groups: the first in the low nibbles, then the high
+        nibbles = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+        q = (nibbles & 15).reshape(rows, cols)
+        scale = (d * sc.astype(np.float32)).reshape(rows, -1)
+        return q, scale, (-dmin * mins.astype(np.float32)).reshape(rows, -1)
+    head = 2 if kind == "Q4_0" else 4  # d (and m) in f16, then 16 bytes of two values each
+    row_blocks = raw.reshape(rows, cols // 32, head + 16)
+    nibbles = row_blocks[..., head:]  # byte j: value j in its low nibble, value j + 16 in its high
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols)
+    d = halves(row_blocks[..., :2])[..., 0]
+    return q, d, None if kind == "Q4_0" else halves(row_blocks[..., 2:4])[..., 0]
+
+
 def gguf_tensor(path, name: str) -> torch.Tensor:
     """One tensor of a GGUF file, dequantized to float32, in PyTorch's (out, in) layout."""
     path = Path(path)
@@ -75,7 +112,8 @@ def _dequantized(tensors: dict, name: str, path: Path) -> np.ndarray:
 
 def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
     """The model in a GGUF file, its tensors dequantized to `dtype`; with weights "int8" or
-    "q4" each layer's matrices are quantized as they are read (LayerQuantizer)."""
+    "q4" each layer's matrices are quantized as they are read (LayerQuantizer), but for q4
+    Q4_0 tensors, which are kept as the file has them."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
@@ -137,17 +175,53 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
     # llama.cpp permutes Q/K rows for llama-arch (interleaved RoPE); qwen2/3 use NEOX RoPE as-is.
     permuted = arch in ("llama", "mistral")
 
-    def get(name):
-        w = _dequantized(tensors, name, path)
+    def unpermuted(name, w):
         if permuted and ".attn_q." in name:
-            w = _unpermute(w, n_heads)
-        elif permuted and ".attn_k." in name:
-            w = _unpermute(w, n_kv)
+            return _unpermute(w, n_heads)
+        if permuted and ".attn_k." in name:
+            return _unpermute(w, n_kv)
+        return w
+
+    def get(name):
+        w = unpermuted(name, _dequantized(tensors, name, path))
         # Cast tensor by tensor: a whole float32 copy of the model never exists at once.
         return torch.from_numpy(w).to(dtype)
 
     quantizer = LayerQuantizer(weights) if weights != "float" else None
-    ours = {"embed.weight": get("token_embd.weight"), "norm": get("output_norm.weight")}
+
+    def matrix(layer: dict, ready: dict, ours: str, names: list[str]) -> None:
+        """Our matrix `ours`, the GGUF tensors `names` stacked by rows. For q4 weights, 4-bit
+        tensors keep their values and scales (four_bit_parts), the others are quantized: a
+        matrix all of Q4_0 stays Q4_0 (4.5 bits a weight), any other is Q4_1."""
+        if weights != "q4":
+            layer[ours] = torch.cat([get(n) for n in names])
+            return
+        parts: list = []  # per tensor (q, d, m or None), its rows as ours
+        for n in names:
+            p = four_bit_parts(tensors[n])
+            if p is None:
+                parts.append(Q4Matrix(get(n).float().numpy()).parts())
+            else:
+                parts.append([a if a is None else unpermuted(n, a) for a in p])
+        q = np.concatenate([p[0] for p in parts])
+        d = np.concatenate([p[1] for p in parts])
+        m = None  # all Q4_0; else Q4_1, Q4_0's tensors with m = -8d (exact in f16)
+        if any(p[2] is not None for p in parts):
+            m = np.concatenate([-8 * p[1] if p[2] is None else p[2] for p in parts])
+        ready[ours] = Q4Matrix.from_parts(q, d, m)
+        layer[ours] = torch.empty(q.shape, dtype=dtype, device="meta")
+
+    # Quantized weights keep a quantized embedding in its blocks (FileEmbedding): the lookup
+    # reads a few rows, and a float32 table would be a 7B's largest tensor after its layers.
+    embd = tensors.get("token_embd.weight")
+    if quantizer is None or embd is None or embd.tensor_type.name == "F32":
+        embd = None  # a float table
+    ours = {"norm": get("output_norm.weight")}
+    if embd is not None:
+        shape = (int(embd.shape[-1]), int(embd.shape[0]))  # (V, D): build_model checks it
+        ours["embed.weight"] = torch.empty(shape, dtype=dtype, device="meta")
+    else:
+        ours["embed.weight"] = get("token_embd.weight")
     if not config.tie_embeddings:
         ours["lm_head.weight"] = get("output.weight")
         if quantizer:
@@ -156,7 +230,8 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
         b = f"blk.{i}."
         layer = {f"layers.{i}.attn_norm": get(b + "attn_norm.weight")}
         layer[f"layers.{i}.ffn_norm"] = get(b + "ffn_norm.weight")
-        layer[f"layers.{i}.wqkv.weight"] = torch.cat([get(b + f"attn_{n}.weight") for n in "qkv"])
+        ready: dict = {}
+        matrix(layer, ready, f"layers.{i}.wqkv.weight", [b + f"attn_{n}.weight" for n in "qkv"])
         if config.attn_bias:
             layer[f"layers.{i}.wqkv.bias"] = torch.cat([get(b + f"attn_{n}.bias") for n in "qkv"])
         if config.qk_norm:
@@ -165,13 +240,19 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
         if config.post_norms:  # (llama.cpp's converter stores Gemma's norms as 1 + w)
             layer[f"layers.{i}.post_attn_norm"] = get(b + "post_attention_norm.weight")
             layer[f"layers.{i}.post_ffn_norm"] = get(b + "post_ffw_norm.weight")
-        layer[f"layers.{i}.wo.weight"] = get(b + "attn_output.weight")
-        layer[f"layers.{i}.w_gate_up.weight"] = torch.cat(
-            [get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")]
+        matrix(layer, ready, f"layers.{i}.wo.weight", [b + "attn_output.weight"])
+        matrix(
+            layer,
+            ready,
+            f"layers.{i}.w_gate_up.weight",
+            [b + "ffn_gate.weight", b + "ffn_up.weight"],
         )
-        layer[f"layers.{i}.w_down.weight"] = get(b + "ffn_down.weight")
-        ours.update(quantizer.layer(i, layer) if quantizer else layer)
+        matrix(layer, ready, f"layers.{i}.w_down.weight", [b + "ffn_down.weight"])
+        ours.update(quantizer.layer(i, layer, ready) if quantizer else layer)
     model = build_model(config, ours, path)
+    if embd is not None:
+        table = np.array(embd.data).reshape(int(embd.shape[-1]), -1)  # (V, a row's bytes)
+        model.embed = FileEmbedding(table, embd.tensor_type, dim, dtype)
     if quantizer:
         quantizer.attach(model)
     model.file_is_4bit = all(

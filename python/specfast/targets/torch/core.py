@@ -110,29 +110,32 @@ class CoreGreedy:
         m, cache = d.model, d.cache
         if d.step is not None or not runs_in_core(m, cache):
             return None
-        packed, embed = m.packed_weights(), m.embed.weight
+        packed = m.packed_weights()
+        # The float table's rows by indexing; a FileEmbedding's dequantized as they are read.
+        embed = m.embed.weight if isinstance(m.embed, torch.nn.Embedding) else m.embed
         if self._arrays is None or self._arrays[0] is not packed or self._arrays[1] is not embed:
             cos, sin = m.rope(d.max_length)
             local = local_tables(m, d.max_length)
             local = None if local is None else (local[0].numpy(), local[1].numpy())
             stack = core_stack(m, packed)
             keys, values = cache.k.numpy(), cache.v.numpy()
-            arrays = (stack, embed.detach().numpy(), cos.numpy(), sin.numpy(), keys, values, local)
+            table = embed.detach().numpy().__getitem__ if embed is not m.embed else embed.rows
+            arrays = (stack, table, cos.numpy(), sin.numpy(), keys, values, local)
             self._arrays = (packed, embed, arrays)
         return self._arrays[2]
 
-    def greedy(self, d, ids, stack, embed, cos, sin, k, v, local) -> torch.Tensor:
+    def greedy(self, d, ids, stack, embed_rows, cos, sin, k, v, local) -> torch.Tensor:
         """ids (T,) -> the argmax id of each row (T,); appends T tokens to decoder d."""
         m, pos = d.model, d.cache.length
         check_ids(ids, m.device, m.vocab_size, pos, d.max_length)
         rows, T = ids.numpy(), ids.shape[0]
         if T > INT8_SERIAL_ROWS:  # a prefill's logits: not worth keeping
-            logits = np.empty((T, embed.shape[0]), np.float32)
+            logits = np.empty((T, m.vocab_size), np.float32)
         else:
             if self._logits.shape[0] < T:
-                self._logits = np.empty((T, embed.shape[0]), np.float32)
+                self._logits = np.empty((T, m.vocab_size), np.float32)
             logits = self._logits[:T]
-        x = embed[rows]  # (T, D): a copy, which the core turns into the last hidden states
+        x = embed_rows(rows)  # (T, D): a copy, which the core turns into the last hidden states
         if m.config.embed_scale != 1.0:  # gemma3: as Model.embed_tokens, in float32
             x *= np.float32(m.config.embed_scale)
         if local is not None:

@@ -26,6 +26,7 @@ from specfast.targets.torch.config import ModelConfig, resolve_device, resolve_d
 from specfast.targets.torch.core import CORE_CACHE_DTYPES, forward_in_core, runs_in_core
 from specfast.targets.torch.decoder import Decoder
 from specfast.targets.torch.eager import forward_eager
+from specfast.targets.torch.embedding import FileEmbedding
 from specfast.targets.torch.int8 import (
     INT8_SERIAL_ROWS,
     QUANTIZED,
@@ -101,7 +102,8 @@ class Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = self.config = config
-        self.embed = nn.Embedding(c.vocab_size, c.dim)
+        # (a GGUF loaded with quantized weights keeps its quantized table: FileEmbedding)
+        self.embed: nn.Embedding | FileEmbedding = nn.Embedding(c.vocab_size, c.dim)
         self.layers: list[Layer] = nn.ModuleList(Layer(c) for _ in range(c.n_layers))  # type: ignore[assignment]
         self.norm = nn.Parameter(torch.ones(c.dim))
         self.lm_head = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
@@ -232,13 +234,14 @@ class Model(nn.Module):
 
     # -- properties the generate() loop reads
 
+    # (Read off the final norm: the embedding may be a FileEmbedding, whose weight is a copy.)
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.dtype
 
     @property
     def vocab_size(self) -> int:
@@ -562,7 +565,10 @@ class OutputRows:
 
     def __init__(self, model: Model, ids: torch.Tensor):
         self.ids = ids.to(model.device)
-        self.weight = model.output_weight[self.ids].contiguous()  # (S, D)
+        if model.lm_head is None:  # the embedding's rows: a lookup, whatever its storage
+            self.weight = model.embed(self.ids).contiguous()  # (S, D)
+        else:
+            self.weight = model.output_weight[self.ids].contiguous()
         self.packed = model._pack(self.weight) if model.packed_weights() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
