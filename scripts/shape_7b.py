@@ -157,6 +157,7 @@ def main() -> None:
     import specfast
 
     torch.set_num_threads(2)
+    baseline = resident_gb()[0]  # the interpreter, torch and specfast before any model
     start = time.perf_counter()
     model = specfast.load_model(str(path), dtype="float32", weights=weights)
     loaded, rss = time.perf_counter() - start, rss_gb()
@@ -196,14 +197,19 @@ def main() -> None:
             rounds[f"sf{n}"].append(median_pass(specfast_pass(n), 5))
             rounds[f"lc{n}"].append(median_pass(llama_pass(n), 5))
     med = {key: statistics.median(v) for key, v in rounds.items()}
-    ratio = statistics.median(a / b for a, b in zip(rounds["lc1"], rounds["sf1"], strict=True))
+
+    def per_round(a, b):  # the median of each round's a / b
+        return statistics.median(x / y for x, y in zip(rounds[a], rounds[b], strict=True))
+
+    ratio = per_round("lc1", "sf1")
     print(
-        f"specfast {weights}: loaded in {loaded:.0f} s; resident {anon:.2f} GB (+ {mapped:.2f} GB "
-        f"of the mapped file), peak {rss:.2f} GB; file {size:.2f} GB, KV cache {kv:.3f} GB; "
-        f"t(1) {med['sf1'] * 1e3:.0f} ms, t(9)/t(1) {med['sf9'] / med['sf1']:.2f}; a pass reads "
+        f"specfast {weights}: loaded in {loaded:.0f} s; resident {anon:.2f} GB, "
+        f"{anon - baseline:.2f} GB of it the model's (+ {mapped:.2f} GB of the mapped file), "
+        f"peak {rss:.2f} GB; file {size:.2f} GB, KV cache {kv:.3f} GB; "
+        f"t(1) {med['sf1'] * 1e3:.0f} ms, t(9)/t(1) {per_round('sf9', 'sf1'):.2f}; a pass reads "
         f"{read:.2f} GB: the read bound is {read / bandwidth * 1e3:.0f} ms\n"
         f"llama.cpp {kind}: t(1) {med['lc1'] * 1e3:.0f} ms, "
-        f"t(9)/t(1) {med['lc9'] / med['lc1']:.2f}\n"
+        f"t(9)/t(1) {per_round('lc9', 'lc1'):.2f}\n"
         f"specfast plain {ratio:.2f}x llama.cpp's (the median of {ROUNDS} rounds' ratios; "
         f"t(1) ranges: specfast {min(rounds['sf1']) * 1e3:.0f}-{max(rounds['sf1']) * 1e3:.0f} "
         f"ms, llama.cpp {min(rounds['lc1']) * 1e3:.0f}-{max(rounds['lc1']) * 1e3:.0f} ms)",

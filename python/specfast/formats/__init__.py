@@ -41,6 +41,10 @@ def load_model(
     A compiled model is warmed up here, every step compiled (a progress line per step on
     stderr), for one KV capacity: `max_length` tokens (prompt and new tokens; None: the
     context, up to 4095), so no generate() that fits compiles inside its clock.
+    weights (CPU, float32 activations): "int8" or "q4" quantize the layers' matrices as they
+    load (a GGUF's Q4_0, Q4_1 and Q4_K tensors keep their own values and scales, and a
+    quantized embedding stays in the file's blocks); "auto" times float, int8 and, for a 4-bit
+    GGUF, q4 steps once per CPU and file and keeps the fastest; "float" keeps the dtype.
 
     backend="llama.cpp" returns a llama_cpp.Llama over the GGUF file instead (its own quantized
     weights; dtype and compile are not used); extra keyword arguments (n_ctx, n_threads, ...)

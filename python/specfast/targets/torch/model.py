@@ -448,8 +448,9 @@ class Model(nn.Module):
         layers (gemma3), torch runs them around the core's matrix products.
 
         weights="int8": one scale per output row; a pass reads a quarter of float32's bytes.
-        weights="q4": the layers' matrices in llama.cpp's Q4_1 (5 bits a weight), the output
-        matrix in int8 (a 4-bit vocabulary projection costs the most agreement for its bytes).
+        weights="q4": the layers' matrices in llama.cpp's Q4_1 (5 bits a weight; a GGUF loaded
+        with q4 keeps Q4_0 matrices as Q4_0, 4.5 bits), the output matrix in int8 (a 4-bit
+        vocabulary projection costs the most agreement for its bytes).
 
         The quantized matrices replace the float ones (unpack() brings them back dequantized).
         Quantizing changes what the model generates, as a lower dtype does; its speculative
