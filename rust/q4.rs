@@ -246,20 +246,16 @@ impl Q4Matrix {
         let d = &self.scale[b * groups * BLOCK..(b + 1) * groups * BLOCK];
         let mn = (self.minimum.as_ref()).map(|m| &m[b * groups * BLOCK..(b + 1) * groups * BLOCK]);
         let (xs, sx, _) = acts.rows(r0, m);
-        let (at, none_f, none_i) = (r0 * groups..(r0 + m) * groups, &[][..], &[][..]);
-        let rows = match sums {
-            GroupSums::Float(f) => Rows {
-                xs,
-                sx,
-                xsum: &f[at],
-                start: none_i,
-            },
-            GroupSums::Start(i) => Rows {
-                xs,
-                sx,
-                xsum: none_f,
-                start: &i[at],
-            },
+        let at = r0 * groups..(r0 + m) * groups;
+        let (xsum, start): (&[f32], &[i32]) = match sums {
+            GroupSums::Float(f) => (&f[at], &[]),
+            GroupSums::Start(s) => (&[], &s[at]),
+        };
+        let rows = Rows {
+            xs,
+            sx,
+            xsum,
+            start,
         };
         let block = Block {
             w,

@@ -24,7 +24,8 @@ from specfast.targets.torch.embedding import FileEmbedding
 from specfast.targets.torch.model import Model, ModelConfig
 
 # ggml's 4-bit types: each group of 32 weights is 16 levels on an affine scale, which a group of
-# the q4 weights holds (Q4_0 tensors as they are, Q4_1 requantized exactly).
+# the q4 weights holds (Q4_0, Q4_1 and Q4_K as four_bit_parts reads them, the others
+# requantized).
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
 
 
@@ -112,8 +113,8 @@ def _dequantized(tensors: dict, name: str, path: Path) -> np.ndarray:
 
 def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
     """The model in a GGUF file, its tensors dequantized to `dtype`; with weights "int8" or
-    "q4" each layer's matrices are quantized as they are read (LayerQuantizer), but for q4
-    Q4_0 tensors, which are kept as the file has them."""
+    "q4" each layer's matrices are quantized as they are read (LayerQuantizer; for q4 a 4-bit
+    tensor keeps its own values and scales), and a quantized embedding stays in its blocks."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)

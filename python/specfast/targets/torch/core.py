@@ -112,15 +112,16 @@ class CoreGreedy:
             return None
         packed = m.packed_weights()
         # The float table's rows by indexing; a FileEmbedding's dequantized as they are read.
-        embed = m.embed.weight if isinstance(m.embed, torch.nn.Embedding) else m.embed
+        float_table = isinstance(m.embed, torch.nn.Embedding)
+        embed = m.embed.weight if float_table else m.embed
         if self._arrays is None or self._arrays[0] is not packed or self._arrays[1] is not embed:
             cos, sin = m.rope(d.max_length)
             local = local_tables(m, d.max_length)
             local = None if local is None else (local[0].numpy(), local[1].numpy())
             stack = core_stack(m, packed)
             keys, values = cache.k.numpy(), cache.v.numpy()
-            table = embed.detach().numpy().__getitem__ if embed is not m.embed else embed.rows
-            arrays = (stack, table, cos.numpy(), sin.numpy(), keys, values, local)
+            rows = embed.detach().numpy().__getitem__ if float_table else embed.rows
+            arrays = (stack, rows, cos.numpy(), sin.numpy(), keys, values, local)
             self._arrays = (packed, embed, arrays)
         return self._arrays[2]
 

@@ -14,7 +14,8 @@ from torch import nn
 
 
 class FileEmbedding(nn.Module):
-    """nn.Embedding's lookup over `blocks` ((V, bytes a row) uint8, of ggml type `kind`)."""
+    """nn.Embedding's lookup over `blocks` ((V, a row's bytes or values), of ggml type `kind`,
+    as gguf's reader holds the tensor)."""
 
     like: torch.Tensor
 
