@@ -563,6 +563,12 @@ mod x86 {
                     }
                     let d = blk.d.as_ptr().add(g * BLOCK);
                     let d = [eight(d), eight(d.add(8))];
+                    let m = if S {
+                        [_mm256_setzero_ps(); 2]
+                    } else {
+                        let m = blk.m.as_ptr().add(g * BLOCK);
+                        [eight(m), eight(m.add(8))]
+                    };
                     for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
                         let s = _mm256_set1_ps(sx[i * groups + g]);
                         for h in 0..2 {
@@ -580,11 +586,8 @@ mod x86 {
                             ti[h] = if S {
                                 t
                             } else {
-                                let m = eight(blk.m.as_ptr().add(g * BLOCK + 8 * h));
-                                _mm256_add_ps(
-                                    t,
-                                    _mm256_mul_ps(m, _mm256_set1_ps(xsum[i * groups + g])),
-                                )
+                                let xs = _mm256_set1_ps(xsum[i * groups + g]);
+                                _mm256_add_ps(t, _mm256_mul_ps(m[h], xs))
                             };
                         }
                     }
@@ -640,6 +643,11 @@ mod x86 {
                         }
                     }
                     let d = eight(blk.d.as_ptr().add(g * BLOCK + 8 * half));
+                    let m = if S {
+                        _mm256_setzero_ps()
+                    } else {
+                        eight(blk.m.as_ptr().add(g * BLOCK + 8 * half))
+                    };
                     for (i, si) in sums.iter().enumerate() {
                         let s = _mm256_set1_ps(*sx.get_unchecked(i * groups + g));
                         let int = if S {
@@ -656,7 +664,6 @@ mod x86 {
                         let t = if S {
                             t
                         } else {
-                            let m = eight(blk.m.as_ptr().add(g * BLOCK + 8 * half));
                             let xs = _mm256_set1_ps(*xsum.get_unchecked(i * groups + g));
                             _mm256_add_ps(t, _mm256_mul_ps(m, xs))
                         };
