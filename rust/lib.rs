@@ -9,6 +9,7 @@
 //! - [`int8`]: int8 matrix products whose rows are quantized, and so computed, independently.
 //! - [`float`]: float32 weight products whose rows are computed independently, as int8's.
 //! - [`q4`]: 4-bit (llama.cpp Q4_1) weight products, rows computed independently as int8's.
+//! - [`gguf`]: products in a GGUF file's own block types (Q4_K, Q5_K, Q6_K, Q8_0), as int8's.
 //! - [`slab`]: the buffers those products' weights live in, side by side on 2 MiB pages.
 //! - [`simd`]: sixteen f32 lanes in three builds that give the same bits, the exponential,
 //!   and the dot products and SiLU everything above sums with.
@@ -31,6 +32,7 @@ pub mod corpus;
 pub mod drafter;
 pub mod error;
 pub mod float;
+pub mod gguf;
 pub mod helper;
 pub mod int8;
 pub mod layer;

@@ -11,6 +11,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::float::PyFloatMatrix;
+use super::gguf::PyGgufMatrix;
 use super::int8::PyInt8Matrix;
 use super::q4::PyQ4Matrix;
 use crate::attention::Elem;
@@ -41,11 +42,12 @@ macro_rules! slice_mut {
     };
 }
 
-/// A weight matrix of the stack: an Int8Matrix, a Q4Matrix or a FloatMatrix, held for the
-/// stack's lifetime.
+/// A weight matrix of the stack: an Int8Matrix, a Q4Matrix, a GgufMatrix or a FloatMatrix,
+/// held for the stack's lifetime.
 enum Matrix {
     Int8(Py<PyInt8Matrix>),
     Q4(Py<PyQ4Matrix>),
+    Gguf(Py<PyGgufMatrix>),
     Float(Py<PyFloatMatrix>),
 }
 
@@ -57,11 +59,14 @@ impl Matrix {
         if let Ok(m) = obj.cast::<PyQ4Matrix>() {
             return Ok(Matrix::Q4(m.clone().unbind()));
         }
+        if let Ok(m) = obj.cast::<PyGgufMatrix>() {
+            return Ok(Matrix::Gguf(m.clone().unbind()));
+        }
         if let Ok(m) = obj.cast::<PyFloatMatrix>() {
             return Ok(Matrix::Float(m.clone().unbind()));
         }
         Err(PyTypeError::new_err(format!(
-            "{name} must be an Int8Matrix, a Q4Matrix or a FloatMatrix, got {}",
+            "{name} must be an Int8Matrix, a Q4Matrix, a GgufMatrix or a FloatMatrix, got {}",
             obj.get_type().name()?
         )))
     }
@@ -70,6 +75,7 @@ impl Matrix {
         match self {
             Matrix::Int8(m) => &m.get().inner,
             Matrix::Q4(m) => &m.get().inner,
+            Matrix::Gguf(m) => &m.get().inner,
             Matrix::Float(m) => &m.get().inner,
         }
     }
@@ -137,7 +143,7 @@ pub struct PyCoreLayers {
 #[allow(clippy::needless_pass_by_value)] // numpy's borrowed arrays are extracted by value
 impl PyCoreLayers {
     /// layers: per layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down), the
-    /// norms and bias float32 arrays, the others Int8Matrix, Q4Matrix or FloatMatrix; heads:
+    /// norms and bias float32 arrays, the others Int8Matrix, Q4Matrix, GgufMatrix or FloatMatrix; heads:
     /// query heads; norm (dim,) and output (V, dim): the final norm and the vocabulary
     /// projection. qk_norms: per layer (q_norm, k_norm), each (hd,), applied to every query
     /// and key head before RoPE (Qwen3, Gemma 3), or None. Gemma 3's: post_norms, per layer

@@ -10,6 +10,7 @@ mod accept;
 mod attention;
 mod drafter;
 mod float;
+mod gguf;
 mod int8;
 mod layer;
 mod q4;
@@ -63,6 +64,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     accept::register(m)?;
     attention::register(m)?;
     float::register(m)?;
+    gguf::register(m)?;
     int8::register(m)?;
     layer::register(m)?;
     q4::register(m)?;

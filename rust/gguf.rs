@@ -1,0 +1,1529 @@
+//! Weight products in a GGUF file's own block types: Q4_K, Q5_K, Q6_K and Q8_0, each tensor
+//! kept at its own values and scales, so a pass reads what the file holds and no fewer bits.
+//!
+//! Every type is read as unsigned values u of 4 to 8 bits with integer sub-block scales and f16
+//! super-block scales, the file's own numbers:
+//!
+//! | type | bits | w | sub-block |
+//! |---|---|---|---|
+//! | Q4_K | 4.5 | d·sc·u - dmin·mn (u in 0..16, sc and mn in 0..64) | 32 |
+//! | Q5_K | 5.5 | as Q4_K, u in 0..32 | 32 |
+//! | Q6_K | 6.5625 | d·sc·(u - 32) (u in 0..64, sc an i8) | 16 |
+//! | Q8_0 | 8.5 | d·(u - 128) (u = q + 128) | 32 |
+//!
+//! Activations are int8, quantized at every call with one scale sx per row and group of 32 (as
+//! in [`crate::int8`]). A sub-block's integer sum s = Σ u·xq + start (start = -32 Σ xq for Q6_K,
+//! -128 Σ xq for Q8_0) is exact, and then, in every code path alike, per sub-block in order,
+//! `acc += (s as f32) * (A * sx)` with A = d·sc (exact in f32: an f16 times a 6- or 8-bit
+//! integer), and for Q4_K/Q5_K per group `acc += B * (sx · Σ xq)` with B = -(dmin·mn). So a row
+//! of a pass depends only on its own input row, and the scalar, AVX2 and AVX-512 VNNI paths give
+//! the same bits.
+//!
+//! A matrix is a stack of parts by rows, each of one type (a fused q/k/v matrix of a Q4_K_M file
+//! holds Q4_K and Q6_K tensors); a part but the last holds whole blocks of 16 rows.
+//!
+//! Packed layout, per part: blocks of 16 output rows; a block is a run of records over the
+//! input features, 256 of them for the K types, 64 for Q8_0, each a whole number of 64-byte
+//! lines:
+//! - a 64-byte header: d and dmin of the 16 rows (f16; Q6_K's dmin unused), for Q8_0 the d of
+//!   each of the record's two groups;
+//! - the low nibbles, per group of 32 features 4 pairs of runs of 4 features, 64 bytes a pair:
+//!   byte i holds row i / 4, feature i % 4 of the first run in its low nibble and of the second
+//!   in its high one (as [`crate::q4`]);
+//! - the high bits, in the same byte positions: Q5_K 64 bytes a group (bit j: run j's bit 4),
+//!   Q6_K 64 bytes a sub-block of 16 (bits 2j and 2j+1: run j's bits 4 and 5), Q8_0 a second
+//!   nibble plane (bits 4..8);
+//! - Q4_K/Q5_K: per group, sc then mn of the 16 rows (u8); Q6_K: per group, each sub-block's sc
+//!   of the 16 rows (i8).
+//!
+//! Record sizes give 4.625, 5.625, 6.625 and 8.5 bits a weight: the file's own bits, plus a
+//! 1/32 for a row's K scales' f16 headers padded to a line.
+
+use half::f16;
+
+use crate::error::Error;
+use crate::helper::Shared;
+use crate::int8::{check_product, Activations, Kernel, Product, GROUP, PARALLEL_MIN};
+use crate::slab::WeightBuf;
+
+/// Output rows per packed block.
+const BLOCK: usize = 16;
+/// Pieces a product is cut into for the two threads (as [`crate::q4`]).
+const UNITS: usize = 4;
+/// Input rows the AVX2 and scalar kernels take at once.
+const ROWS: usize = 4;
+/// Input rows the AVX-512 VNNI kernel takes at once: a sum and a total a row, 20 of 32 zmm.
+const VNNI_ROWS: usize = 10;
+/// Header bytes of a record.
+const HEADER: usize = 64;
+/// Above this many input features the packing's indices could overflow (checked).
+pub const MAX_COLS: usize = 1 << 20;
+
+/// A GGUF block type the core holds as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockType {
+    /// 256 values: d, dmin (f16), 8 groups' 6-bit sc and mn, 4-bit values.
+    Q4K,
+    /// As Q4_K with a fifth bit a value.
+    Q5K,
+    /// 256 values: 6-bit values, 16 sub-blocks' i8 scales, d (f16).
+    Q6K,
+    /// 32 values: d (f16) and 32 i8.
+    Q8_0,
+}
+
+impl BlockType {
+    /// Every type, in the order `name` lists them.
+    pub const ALL: [BlockType; 4] = [
+        BlockType::Q4K,
+        BlockType::Q5K,
+        BlockType::Q6K,
+        BlockType::Q8_0,
+    ];
+
+    /// ggml's name of the type.
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockType::Q4K => "Q4_K",
+            BlockType::Q5K => "Q5_K",
+            BlockType::Q6K => "Q6_K",
+            BlockType::Q8_0 => "Q8_0",
+        }
+    }
+
+    /// The type ggml calls `name`.
+    pub fn from_name(name: &str) -> Result<BlockType, Error> {
+        BlockType::ALL
+            .into_iter()
+            .find(|t| t.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<_> = BlockType::ALL.iter().map(|t| t.name()).collect();
+                Error::value(format!(
+                    "block type must be one of {}, got {name:?}",
+                    names.join(", ")
+                ))
+            })
+    }
+
+    /// Values a ggml block holds.
+    pub fn block_values(self) -> usize {
+        if self == BlockType::Q8_0 {
+            32
+        } else {
+            256
+        }
+    }
+
+    /// Bytes a ggml block takes.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            BlockType::Q4K => 144,
+            BlockType::Q5K => 176,
+            BlockType::Q6K => 210,
+            BlockType::Q8_0 => 34,
+        }
+    }
+
+    /// Input features a packed record covers.
+    fn record_cols(self) -> usize {
+        if self == BlockType::Q8_0 {
+            64
+        } else {
+            256
+        }
+    }
+
+    /// Bytes of a packed record (16 rows × record_cols).
+    fn record_bytes(self) -> usize {
+        let groups = self.record_cols() / GROUP;
+        HEADER
+            + groups
+                * match self {
+                    BlockType::Q4K => 256 + 32,
+                    BlockType::Q5K => 256 + 64 + 32,
+                    BlockType::Q6K => 256 + 128 + 32,
+                    BlockType::Q8_0 => 256 + 256,
+                }
+    }
+
+    /// The kernels' const parameter for the type.
+    fn id(self) -> u8 {
+        self as u8
+    }
+}
+
+const Q4K: u8 = BlockType::Q4K as u8;
+const Q5K: u8 = BlockType::Q5K as u8;
+const Q6K: u8 = BlockType::Q6K as u8;
+const Q8_0: u8 = BlockType::Q8_0 as u8;
+
+/// Where the parts of a record start, for type id `t` (offsets from the record's start).
+const fn high_at(t: u8) -> usize {
+    HEADER + if t == Q8_0 { 2 * 256 } else { 8 * 256 }
+}
+const fn scales_at(t: u8) -> usize {
+    high_at(t)
+        + match t {
+            Q5K => 8 * 64,
+            Q6K => 16 * 64,
+            _ => 0,
+        }
+}
+
+/// A part's values as read from its blocks: u (rows, cols), per row and sub-block sc (and mn for
+/// the K types with minimums), per row and ggml block d and dmin.
+struct Unpacked {
+    u: Vec<u8>,
+    sc: Vec<i16>,
+    mn: Vec<u8>,
+    d: Vec<f16>,
+    dmin: Vec<f16>,
+}
+
+/// The 6-bit scale and minimum of group j of a Q4_K/Q5_K block's 12 scale bytes (ggml's
+/// get_scale_min_k4).
+fn scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+fn half_at(b: &[u8], at: usize) -> f16 {
+    f16::from_le_bytes([b[at], b[at + 1]])
+}
+
+/// Decodes one ggml block of type `t` into its values `u`, sub-block scales and minimums, and
+/// returns (d, dmin).
+fn decode(t: BlockType, b: &[u8], u: &mut [u8], sc: &mut [i16], mn: &mut [u8]) -> (f16, f16) {
+    match t {
+        BlockType::Q4K | BlockType::Q5K => {
+            let scales = &b[4..16];
+            for j in 0..8 {
+                let (s, m) = scale_min(j, scales);
+                (sc[j], mn[j]) = (i16::from(s), m);
+            }
+            let (qh, qs) = if t == BlockType::Q5K {
+                (&b[16..48], &b[48..176])
+            } else {
+                (&[][..], &b[16..144])
+            };
+            for c in 0..4 {
+                for l in 0..32 {
+                    let byte = qs[32 * c + l];
+                    let (mut lo, mut hi) = (byte & 0xF, byte >> 4);
+                    if !qh.is_empty() {
+                        lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                        hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                    }
+                    u[64 * c + l] = lo;
+                    u[64 * c + 32 + l] = hi;
+                }
+            }
+            (half_at(b, 0), half_at(b, 2))
+        }
+        BlockType::Q6K => {
+            let (ql, qh) = (&b[..128], &b[128..192]);
+            for (j, s) in sc.iter_mut().enumerate().take(16) {
+                *s = i16::from(b[192 + j].cast_signed());
+            }
+            for n in 0..2 {
+                let (ql, qh, u) = (&ql[64 * n..], &qh[32 * n..], &mut u[128 * n..]);
+                for l in 0..32 {
+                    u[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                    u[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                    u[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    u[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                }
+            }
+            (half_at(b, 208), f16::ZERO)
+        }
+        BlockType::Q8_0 => {
+            for (v, &q) in u.iter_mut().zip(&b[2..34]) {
+                *v = q ^ 0x80; // q + 128
+            }
+            (half_at(b, 0), f16::ZERO)
+        }
+    }
+}
+
+/// Sub-blocks of 16 (Q6_K) or 32 values a ggml block of `t` has.
+fn subs_per_block(t: BlockType) -> usize {
+    match t {
+        BlockType::Q6K => 16,
+        BlockType::Q8_0 => 1,
+        _ => 8,
+    }
+}
+
+fn unpack(t: BlockType, raw: &[u8], rows: usize, cols: usize) -> Unpacked {
+    let per_row = cols / t.block_values();
+    let subs = subs_per_block(t);
+    let mut un = Unpacked {
+        u: vec![0; rows * cols],
+        sc: vec![0; rows * per_row * subs],
+        mn: vec![0; rows * per_row * subs],
+        d: vec![f16::ZERO; rows * per_row],
+        dmin: vec![f16::ZERO; rows * per_row],
+    };
+    let (bv, bb) = (t.block_values(), t.block_bytes());
+    for i in 0..rows * per_row {
+        let b = &raw[i * bb..(i + 1) * bb];
+        let (sc, mn) = (&mut un.sc[i * subs..], &mut un.mn[i * subs..]);
+        (un.d[i], un.dmin[i]) = decode(t, b, &mut un.u[i * bv..(i + 1) * bv], sc, mn);
+    }
+    un
+}
+
+/// One part of a matrix: rows row0..row0 + rows, all of one type.
+struct Part {
+    kind: BlockType,
+    row0: usize,
+    rows: usize,
+    packed: WeightBuf<u8>, // [ceil(rows / 16)][width / record_cols][record_bytes]
+}
+
+impl Part {
+    fn new(t: BlockType, raw: &[u8], row0: usize, rows: usize, cols: usize) -> Part {
+        let un = unpack(t, raw, rows, cols);
+        let (rc, rb) = (t.record_cols(), t.record_bytes());
+        let records = cols / rc;
+        let blocks = rows.div_ceil(BLOCK);
+        let mut packed = WeightBuf::from_elem(0u8, blocks * records * rb);
+        let per_row = cols / t.block_values();
+        let subs = subs_per_block(t);
+        let sub_len = t.block_values() / subs;
+        for o in 0..rows {
+            let (b, lane) = (o / BLOCK, o % BLOCK);
+            for s in 0..records {
+                let rec = &mut packed[(b * records + s) * rb..(b * records + s + 1) * rb];
+                let k0 = s * rc;
+                // header
+                if t == BlockType::Q8_0 {
+                    for j in 0..2 {
+                        let d = un.d[o * per_row + k0 / 32 + j].to_le_bytes();
+                        rec[32 * j + 2 * lane..32 * j + 2 * lane + 2].copy_from_slice(&d);
+                    }
+                } else {
+                    let at = o * per_row + s;
+                    rec[2 * lane..2 * lane + 2].copy_from_slice(&un.d[at].to_le_bytes());
+                    rec[32 + 2 * lane..34 + 2 * lane].copy_from_slice(&un.dmin[at].to_le_bytes());
+                }
+                for k in 0..rc {
+                    let u = un.u[o * cols + k0 + k];
+                    let (g, in_group) = (k / GROUP, k % GROUP);
+                    let (run, f) = (in_group / 4, in_group % 4);
+                    let pos = lane * 4 + f;
+                    let pair = g * 4 + run / 2;
+                    rec[HEADER + pair * 64 + pos] |= (u & 15) << (4 * (run % 2));
+                    let high = high_at(t.id());
+                    match t {
+                        BlockType::Q5K => rec[high + g * 64 + pos] |= (u >> 4) << run,
+                        BlockType::Q6K => {
+                            let (sub, r) = (in_group / 16, run % 4);
+                            rec[high + (2 * g + sub) * 64 + pos] |= (u >> 4) << (2 * r);
+                        }
+                        BlockType::Q8_0 => {
+                            rec[high + pair * 64 + pos] |= (u >> 4) << (4 * (run % 2));
+                        }
+                        BlockType::Q4K => {}
+                    }
+                }
+                let scales = scales_at(t.id());
+                for g in 0..rc / GROUP {
+                    let at = o * per_row * subs + (k0 + g * GROUP) / sub_len;
+                    match t {
+                        BlockType::Q4K | BlockType::Q5K => {
+                            rec[scales + g * 32 + lane] = un.sc[at] as u8;
+                            rec[scales + g * 32 + 16 + lane] = un.mn[at];
+                        }
+                        BlockType::Q6K => {
+                            rec[scales + g * 32 + lane] = un.sc[at] as i8 as u8;
+                            rec[scales + g * 32 + 16 + lane] = un.sc[at + 1] as i8 as u8;
+                        }
+                        BlockType::Q8_0 => {}
+                    }
+                }
+            }
+        }
+        Part {
+            kind: t,
+            row0,
+            rows,
+            packed,
+        }
+    }
+
+    fn blocks(&self) -> usize {
+        self.rows.div_ceil(BLOCK)
+    }
+}
+
+/// A weight matrix stacked from GGUF tensors by rows, each at its own block type.
+pub struct GgufMatrix {
+    rows: usize,
+    cols: usize,
+    parts: Vec<Part>,
+}
+
+impl GgufMatrix {
+    /// A matrix of `cols` columns from parts (type, raw ggml blocks of its rows, its rows),
+    /// stacked by rows in order.
+    pub fn from_blocks(
+        parts: &[(BlockType, &[u8], usize)],
+        cols: usize,
+    ) -> Result<GgufMatrix, Error> {
+        if parts.is_empty() || cols == 0 {
+            return Err(Error::value(
+                "a GGUF matrix needs at least one part and one column".to_string(),
+            ));
+        }
+        if cols > MAX_COLS {
+            return Err(Error::value(format!(
+                "a GGUF matrix takes at most {MAX_COLS} columns, got {cols}"
+            )));
+        }
+        let mut row0 = 0;
+        let mut out = Vec::with_capacity(parts.len());
+        for (i, &(t, raw, rows)) in parts.iter().enumerate() {
+            if rows == 0 {
+                return Err(Error::value(format!("part {i} has no rows")));
+            }
+            if !cols.is_multiple_of(t.record_cols()) {
+                return Err(Error::value(format!(
+                    "a {} part needs a multiple of {} columns, got {cols}",
+                    t.name(),
+                    t.record_cols()
+                )));
+            }
+            if i + 1 < parts.len() && !rows.is_multiple_of(BLOCK) {
+                return Err(Error::value(format!(
+                    "part {i} ({rows} rows) must hold a multiple of {BLOCK} rows: only the last \
+                     part may end inside a block"
+                )));
+            }
+            let want = rows * (cols / t.block_values()) * t.block_bytes();
+            if raw.len() != want {
+                return Err(Error::value(format!(
+                    "part {i}: {rows} rows of {cols} {} values take {want} bytes, got {}",
+                    t.name(),
+                    raw.len()
+                )));
+            }
+            out.push(Part::new(t, raw, row0, rows, cols));
+            row0 += rows;
+        }
+        let (rows, parts) = (row0, out);
+        let m = GgufMatrix { rows, cols, parts };
+        if let Some(bad) = m.first_bad_scale() {
+            return Err(Error::value(format!(
+                "scales must be finite, found {bad} in a block"
+            )));
+        }
+        Ok(m)
+    }
+
+    fn first_bad_scale(&self) -> Option<f32> {
+        for p in &self.parts {
+            for rec in p.packed.chunks(p.kind.record_bytes()) {
+                for h in rec[..HEADER].chunks(2) {
+                    let v = f16::from_le_bytes([h[0], h[1]]).to_f32();
+                    if !v.is_finite() {
+                        return Some(v);
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Output rows n of the matrix.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input columns (the width of x).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes a pass reads.
+    pub fn nbytes(&self) -> usize {
+        self.parts.iter().map(|p| p.packed.len()).sum()
+    }
+
+    /// (type, rows) of each part.
+    pub fn types(&self) -> Vec<(BlockType, usize)> {
+        self.parts.iter().map(|p| (p.kind, p.rows)).collect()
+    }
+
+    /// The float32 (rows, cols) weights the blocks stand for, in ggml's dequantization order:
+    /// (d·sc)·u - dmin·mn, (d·sc)·(u - 32), d·(u - 128).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut w = vec![0.0f32; self.rows * self.cols];
+        for p in &self.parts {
+            for o in 0..p.rows {
+                let row = &mut w[(p.row0 + o) * self.cols..(p.row0 + o + 1) * self.cols];
+                for (k, v) in row.iter_mut().enumerate() {
+                    *v = self.weight(p, o, k);
+                }
+            }
+        }
+        w
+    }
+
+    /// Weight (o, k) of part p (o counted from the part's first row).
+    fn weight(&self, p: &Part, o: usize, k: usize) -> f32 {
+        let t = p.kind.id();
+        let rec = self.record(p, o / BLOCK, k / p.kind.record_cols());
+        let (lane, k) = (o % BLOCK, k % p.kind.record_cols());
+        let u = f32::from(value(rec, t, lane, k));
+        let g = k / GROUP;
+        match t {
+            Q4K | Q5K => {
+                let (d, dmin) = (header(rec, 0, lane), header(rec, 1, lane));
+                let (sc, mn) = (sub_scale(rec, t, g, 0, lane), sub_scale(rec, t, g, 1, lane));
+                (d * sc) * u - dmin * mn
+            }
+            Q6K => {
+                let sc = sub_scale(rec, t, g, (k % GROUP) / 16, lane);
+                (header(rec, 0, lane) * sc) * (u - 32.0)
+            }
+            _ => header(rec, g, lane) * (u - 128.0),
+        }
+    }
+
+    /// Record s of block b of part p.
+    fn record<'a>(&self, p: &'a Part, b: usize, s: usize) -> &'a [u8] {
+        let (rb, records) = (p.kind.record_bytes(), self.cols / p.kind.record_cols());
+        &p.packed[(b * records + s) * rb..(b * records + s + 1) * rb]
+    }
+
+    /// out (n, rows) = x (n, cols) · Wᵀ, both row-major. A row of x that holds NaN or ±inf
+    /// gives a row of NaN.
+    pub fn matmul(&self, x: &[f32], out: &mut [f32], kernel: Kernel) -> Result<(), Error> {
+        let n = check_product(x, out, self.rows, self.cols, kernel)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let acts = Activations::quantize(x, n, self.cols, self.cols);
+        let extra = Extra::new(&acts, n, self.cols, &self.parts);
+        let blocks: Vec<(usize, usize)> = (self.parts.iter().enumerate())
+            .flat_map(|(i, p)| (0..p.blocks()).map(move |b| (i, b)))
+            .collect();
+        let out = Shared::new(out);
+        let most = rows_per_call(kernel);
+        let run = |range: std::ops::Range<usize>| {
+            let mut acc = [0.0f32; VNNI_ROWS * BLOCK];
+            for &(i, b) in &blocks[range] {
+                let p = &self.parts[i];
+                let mut r0 = 0;
+                for m in chunks(n, most) {
+                    self.dot_block(kernel, p, b, &acts, &extra, r0, m, &mut acc);
+                    write(self.rows, p, b, r0, m, &acc, &acts.bad, &out);
+                    r0 += m;
+                }
+            }
+        };
+        let total = blocks.len();
+        if self.rows * self.cols < PARALLEL_MIN || total < 4 {
+            run(0..total);
+        } else {
+            let per = total.div_ceil(UNITS);
+            crate::helper::for_each(total.div_ceil(per), |u| {
+                run(u * per..((u + 1) * per).min(total));
+            });
+        }
+        Ok(())
+    }
+
+    /// acc[i * 16 + lane] = row r0 + i's product with block b of part p, for m rows.
+    #[allow(clippy::too_many_arguments)]
+    fn dot_block(
+        &self,
+        kernel: Kernel,
+        p: &Part,
+        b: usize,
+        acts: &Activations,
+        extra: &Extra,
+        r0: usize,
+        m: usize,
+        acc: &mut [f32],
+    ) {
+        let records = self.cols / p.kind.record_cols();
+        let rb = p.kind.record_bytes();
+        let w = &p.packed[b * records * rb..(b + 1) * records * rb];
+        let (xs, sx, _) = acts.rows(r0, m);
+        let groups = self.cols / GROUP;
+        let rows = Rows {
+            xs,
+            sx,
+            xsum: extra
+                .xsum
+                .get(r0 * groups..(r0 + m) * groups)
+                .unwrap_or(&[]),
+            start: match p.kind {
+                BlockType::Q6K => &extra.start16[r0 * 2 * groups..(r0 + m) * 2 * groups],
+                BlockType::Q8_0 => &extra.start32[r0 * groups..(r0 + m) * groups],
+                _ => &[],
+            },
+            width: self.cols,
+        };
+        #[cfg(target_arch = "x86_64")]
+        macro_rules! types {
+            ($run:ident) => {
+                match p.kind {
+                    BlockType::Q4K => $run!(Q4K),
+                    BlockType::Q5K => $run!(Q5K),
+                    BlockType::Q6K => $run!(Q6K),
+                    BlockType::Q8_0 => $run!(Q8_0),
+                }
+            };
+        }
+        #[cfg(target_arch = "x86_64")]
+        macro_rules! vnni {
+            ($t:ident) => {
+                match m {
+                    1 => x86::dot_vnni::<1, $t>(w, &rows, acc),
+                    2 => x86::dot_vnni::<2, $t>(w, &rows, acc),
+                    3 => x86::dot_vnni::<3, $t>(w, &rows, acc),
+                    4 => x86::dot_vnni::<4, $t>(w, &rows, acc),
+                    5 => x86::dot_vnni::<5, $t>(w, &rows, acc),
+                    6 => x86::dot_vnni::<6, $t>(w, &rows, acc),
+                    7 => x86::dot_vnni::<7, $t>(w, &rows, acc),
+                    8 => x86::dot_vnni::<8, $t>(w, &rows, acc),
+                    9 => x86::dot_vnni::<9, $t>(w, &rows, acc),
+                    _ => x86::dot_vnni::<10, $t>(w, &rows, acc),
+                }
+            };
+        }
+        #[cfg(target_arch = "x86_64")]
+        macro_rules! ymm {
+            ($t:ident) => {
+                for half in 0..2 {
+                    match m {
+                        1 => x86::dot_half::<1, $t>(w, half, &rows, acc),
+                        2 => x86::dot_half::<2, $t>(w, half, &rows, acc),
+                        3 => x86::dot_half::<3, $t>(w, half, &rows, acc),
+                        _ => x86::dot_half::<4, $t>(w, half, &rows, acc),
+                    }
+                }
+            };
+        }
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the kernel passed `supported()` (AVX-512 BW and VNNI); F16C is checked by
+            // rows_per_call. Slice lengths are as read.
+            Kernel::Avx512Vnni if rows_per_call(kernel) == VNNI_ROWS => unsafe { types!(vnni) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: every kernel but Scalar implies AVX2; F16C is checked here.
+            Kernel::Avx2 | Kernel::AvxVnni | Kernel::Avx512Vnni if has_f16c() => unsafe {
+                types!(ymm);
+            },
+            _ => dot_scalar(w, p.kind.id(), &rows, m, acc),
+        }
+    }
+}
+
+impl Product for GgufMatrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn matmul(&self, x: &[f32], out: &mut [f32], kernel: Kernel) -> Result<(), Error> {
+        GgufMatrix::matmul(self, x, out, kernel)
+    }
+}
+
+/// What a product needs of the activations beyond their values and scales, per row: sx · Σ xq
+/// per group (Q4_K/Q5_K's minimum term), -32 Σ xq per 16 (Q6_K's start), -128 Σ xq per group
+/// (Q8_0's); each empty where no part needs it.
+struct Extra {
+    xsum: Vec<f32>,
+    start16: Vec<i32>,
+    start32: Vec<i32>,
+}
+
+impl Extra {
+    fn new(acts: &Activations, n: usize, width: usize, parts: &[Part]) -> Extra {
+        let has = |t: BlockType| parts.iter().any(|p| p.kind == t);
+        let mut e = Extra {
+            xsum: vec![],
+            start16: vec![],
+            start32: vec![],
+        };
+        if has(BlockType::Q4K) || has(BlockType::Q5K) {
+            e.xsum = (acts.scales.iter().zip(&acts.sums))
+                .map(|(&s, &t)| s * t as f32)
+                .collect();
+        }
+        if has(BlockType::Q8_0) {
+            e.start32 = acts.sums.iter().map(|&t| -128 * t).collect();
+        }
+        if has(BlockType::Q6K) {
+            e.start16 = acts.q[..n * width]
+                .chunks_exact(16)
+                .map(|c| -32 * c.iter().map(|&v| i32::from(v)).sum::<i32>())
+                .collect();
+        }
+        e
+    }
+}
+
+/// Writes block b of part p's columns of rows r0..r0+m.
+#[allow(clippy::too_many_arguments)]
+fn write(
+    rows: usize,
+    p: &Part,
+    b: usize,
+    r0: usize,
+    m: usize,
+    acc: &[f32],
+    bad: &[bool],
+    out: &Shared<'_, f32>,
+) {
+    let o0 = p.row0 + b * BLOCK;
+    let width = BLOCK.min(p.rows - b * BLOCK);
+    for i in 0..m {
+        let r = r0 + i;
+        let at = r * rows + o0;
+        // SAFETY: each call writes only columns [o0, o0 + width) of its rows, a range no other
+        // call writes.
+        let row = unsafe { out.part(at..at + width) };
+        if bad[r] {
+            row.fill(f32::NAN);
+        } else {
+            row.copy_from_slice(&acc[i * BLOCK..i * BLOCK + width]);
+        }
+    }
+}
+
+/// n rows as chunks of at most `most`, as even as can be (as [`crate::q4`]).
+fn chunks(n: usize, most: usize) -> impl Iterator<Item = usize> {
+    let parts = n.div_ceil(most).max(1);
+    (0..parts).map(move |i| n / parts + usize::from(i < n % parts))
+}
+
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+fn rows_per_call(kernel: Kernel) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512Vnni && has_f16c() {
+        return VNNI_ROWS;
+    }
+    ROWS
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_f16c() -> bool {
+    is_x86_feature_detected!("f16c")
+}
+
+/// The activation rows of a kernel call: int8 values (rows of `width`), per row and group sx and
+/// (Q4_K/Q5_K) sx · Σ xq, and the integer sums' starts (Q6_K: per 16, Q8_0: per group).
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    xs: &'a [i8],
+    sx: &'a [f32],
+    xsum: &'a [f32],
+    start: &'a [i32],
+    width: usize,
+}
+
+/// Header value `j` (0: d, 1: dmin; Q8_0: group j's d) of a record's row `lane`, as f32.
+fn header(rec: &[u8], j: usize, lane: usize) -> f32 {
+    half_at(rec, 32 * j + 2 * lane).to_f32()
+}
+
+/// Group g's sub-scale j of row `lane` (K types: j 0 is sc, 1 is mn; Q6_K: sub-block j's sc).
+fn sub_scale(rec: &[u8], t: u8, g: usize, j: usize, lane: usize) -> f32 {
+    let v = rec[scales_at(t) + g * 32 + 16 * j + lane];
+    if t == Q6K {
+        f32::from(v.cast_signed())
+    } else {
+        f32::from(v)
+    }
+}
+
+/// Value u of row `lane`, feature k of a record.
+fn value(rec: &[u8], t: u8, lane: usize, k: usize) -> u8 {
+    let (g, in_group) = (k / GROUP, k % GROUP);
+    let (run, pos) = (in_group / 4, lane * 4 + in_group % 4);
+    let pair = g * 4 + run / 2;
+    let low = (rec[HEADER + pair * 64 + pos] >> (4 * (run % 2))) & 15;
+    let high = high_at(t);
+    let top = match t {
+        Q5K => (rec[high + g * 64 + pos] >> run) & 1,
+        Q6K => (rec[high + (2 * g + in_group / 16) * 64 + pos] >> (2 * (run % 4))) & 3,
+        Q8_0 => (rec[high + pair * 64 + pos] >> (4 * (run % 2))) & 15,
+        _ => 0,
+    };
+    low | (top << 4)
+}
+
+/// The portable kernel, and the order every other one keeps.
+fn dot_scalar(w: &[u8], t: u8, rows: &Rows<'_>, m: usize, acc: &mut [f32]) {
+    let bt = BlockType::ALL[t as usize];
+    let (rc, rb) = (bt.record_cols(), bt.record_bytes());
+    let groups = rows.width / GROUP;
+    for i in 0..m {
+        let x = &rows.xs[i * rows.width..(i + 1) * rows.width];
+        for lane in 0..BLOCK {
+            let mut total = 0.0f32;
+            for g in 0..groups {
+                let (s, j) = (g * GROUP / rc, g % (rc / GROUP));
+                let rec = &w[s * rb..(s + 1) * rb];
+                let sx = rows.sx[i * groups + g];
+                let dot = |lo: usize, hi: usize, start: i32| {
+                    (lo..hi).fold(start, |acc, k| {
+                        acc + i32::from(value(rec, t, lane, j * GROUP + k))
+                            * i32::from(x[g * GROUP + k])
+                    })
+                };
+                match t {
+                    Q4K | Q5K => {
+                        let a = header(rec, 0, lane) * sub_scale(rec, t, j, 0, lane);
+                        total += (dot(0, 32, 0) as f32) * (a * sx);
+                        let b = 0.0 - header(rec, 1, lane) * sub_scale(rec, t, j, 1, lane);
+                        total += b * rows.xsum[i * groups + g];
+                    }
+                    Q6K => {
+                        for sub in 0..2 {
+                            let a = header(rec, 0, lane) * sub_scale(rec, t, j, sub, lane);
+                            let start = rows.start[i * 2 * groups + 2 * g + sub];
+                            total += (dot(16 * sub, 16 * sub + 16, start) as f32) * (a * sx);
+                        }
+                    }
+                    _ => {
+                        let a = header(rec, j, lane);
+                        let start = rows.start[i * groups + g];
+                        total += (dot(0, 32, start) as f32) * (a * sx);
+                    }
+                }
+            }
+            acc[i * BLOCK + lane] = total;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::wildcard_imports)]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{high_at, scales_at, BlockType, Rows, BLOCK, GROUP, HEADER, Q4K, Q5K, Q6K, Q8_0};
+
+    /// AVX-512 VNNI, 16 output rows a zmm: per pair of runs the 64 nibble bytes (and the high
+    /// bits) become two zmm of u8 values, each meeting a row's 4 activations, broadcast, in one
+    /// vpdpbusd into i32. The high bits are shifted into bit 4 (5) by the pair's place, so one
+    /// code serves every pair.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    #[allow(clippy::too_many_lines)]
+    pub unsafe fn dot_vnni<const R: usize, const T: u8>(
+        w: &[u8],
+        rows: &Rows<'_>,
+        acc: &mut [f32],
+    ) {
+        let Rows {
+            xs,
+            sx,
+            xsum,
+            start,
+            width,
+        } = *rows;
+        let bt = BlockType::ALL[T as usize];
+        let (rc, rb) = (bt.record_cols(), bt.record_bytes());
+        let groups = width / GROUP;
+        let low = _mm512_set1_epi8(15);
+        let xp = xs.as_ptr();
+        macro_rules! x4 {
+            ($i:expr, $at:expr) => {
+                _mm512_set1_epi32(xp.add($i * width + $at).cast::<i32>().read_unaligned())
+            };
+        }
+        let mut total = [_mm512_setzero_ps(); R];
+        for s in 0..width / rc {
+            let rec = w.as_ptr().add(s * rb);
+            _mm_prefetch::<_MM_HINT_T1>(rec.wrapping_add(rb + 4096).cast());
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(rec.cast()));
+            for j in 0..rc / GROUP {
+                let g = s * (rc / GROUP) + j;
+                let nib = rec.add(HEADER + j * 256);
+                let scales = rec.add(scales_at(T) + j * 32);
+                let hi = rec.add(high_at(T));
+                match T {
+                    Q4K | Q5K => {
+                        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(32).cast()));
+                        let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            scales.cast(),
+                        )));
+                        let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            scales.add(16).cast(),
+                        )));
+                        let a = _mm512_mul_ps(d, sc);
+                        let b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn));
+                        let mut sums = [_mm512_setzero_si512(); R];
+                        let mut h = if T == Q5K {
+                            _mm512_loadu_si512(hi.add(j * 64).cast())
+                        } else {
+                            _mm512_setzero_si512()
+                        };
+                        let bit = _mm512_set1_epi8(0x10);
+                        for p in 0..4 {
+                            let v = _mm512_loadu_si512(nib.add(p * 64).cast());
+                            let mut w0 = _mm512_and_si512(v, low);
+                            let mut w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                            if T == Q5K {
+                                w0 = _mm512_or_si512(
+                                    w0,
+                                    _mm512_and_si512(_mm512_slli_epi16(h, 4), bit),
+                                );
+                                w1 = _mm512_or_si512(
+                                    w1,
+                                    _mm512_and_si512(_mm512_slli_epi16(h, 3), bit),
+                                );
+                                h = _mm512_srli_epi16(h, 2);
+                            }
+                            let at = g * GROUP + p * 8;
+                            for (i, si) in sums.iter_mut().enumerate() {
+                                *si = _mm512_dpbusd_epi32(*si, w0, x4!(i, at));
+                                *si = _mm512_dpbusd_epi32(*si, w1, x4!(i, at + 4));
+                            }
+                        }
+                        for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                            let s = _mm512_set1_ps(*sx.get_unchecked(i * groups + g));
+                            let t = _mm512_add_ps(
+                                *ti,
+                                _mm512_mul_ps(_mm512_cvtepi32_ps(*si), _mm512_mul_ps(a, s)),
+                            );
+                            let xsum = _mm512_set1_ps(*xsum.get_unchecked(i * groups + g));
+                            *ti = _mm512_add_ps(t, _mm512_mul_ps(b, xsum));
+                        }
+                    }
+                    Q6K => {
+                        let bits = _mm512_set1_epi8(0x30);
+                        for sub in 0..2 {
+                            let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                scales.add(16 * sub).cast(),
+                            )));
+                            let a = _mm512_mul_ps(d, sc);
+                            let mut c = _mm512_loadu_si512(hi.add((2 * j + sub) * 64).cast());
+                            let mut sums = [_mm512_setzero_si512(); R];
+                            for (i, si) in sums.iter_mut().enumerate() {
+                                *si = _mm512_set1_epi32(
+                                    *start.get_unchecked(i * 2 * groups + 2 * g + sub),
+                                );
+                            }
+                            for p in 2 * sub..2 * sub + 2 {
+                                let v = _mm512_loadu_si512(nib.add(p * 64).cast());
+                                let w0 = _mm512_or_si512(
+                                    _mm512_and_si512(v, low),
+                                    _mm512_and_si512(_mm512_slli_epi16(c, 4), bits),
+                                );
+                                let w1 = _mm512_or_si512(
+                                    _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                    _mm512_and_si512(_mm512_slli_epi16(c, 2), bits),
+                                );
+                                c = _mm512_srli_epi16(c, 4);
+                                let at = g * GROUP + p * 8;
+                                for (i, si) in sums.iter_mut().enumerate() {
+                                    *si = _mm512_dpbusd_epi32(*si, w0, x4!(i, at));
+                                    *si = _mm512_dpbusd_epi32(*si, w1, x4!(i, at + 4));
+                                }
+                            }
+                            for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                                let s = _mm512_set1_ps(*sx.get_unchecked(i * groups + g));
+                                *ti = _mm512_add_ps(
+                                    *ti,
+                                    _mm512_mul_ps(_mm512_cvtepi32_ps(*si), _mm512_mul_ps(a, s)),
+                                );
+                            }
+                        }
+                    }
+                    _ => {
+                        let a = _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(32 * j).cast()));
+                        let mut sums = [_mm512_setzero_si512(); R];
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            *si = _mm512_set1_epi32(*start.get_unchecked(i * groups + g));
+                        }
+                        let top = _mm512_set1_epi8(-16); // 0xF0
+                        for p in 0..4 {
+                            let v = _mm512_loadu_si512(nib.add(p * 64).cast());
+                            let hv = _mm512_loadu_si512(hi.add((j * 4 + p) * 64).cast());
+                            let w0 = _mm512_or_si512(
+                                _mm512_and_si512(v, low),
+                                _mm512_and_si512(_mm512_slli_epi16(hv, 4), top),
+                            );
+                            let w1 = _mm512_or_si512(
+                                _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                _mm512_and_si512(hv, top),
+                            );
+                            let at = g * GROUP + p * 8;
+                            for (i, si) in sums.iter_mut().enumerate() {
+                                *si = _mm512_dpbusd_epi32(*si, w0, x4!(i, at));
+                                *si = _mm512_dpbusd_epi32(*si, w1, x4!(i, at + 4));
+                            }
+                        }
+                        for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                            let s = _mm512_set1_ps(*sx.get_unchecked(i * groups + g));
+                            *ti = _mm512_add_ps(
+                                *ti,
+                                _mm512_mul_ps(_mm512_cvtepi32_ps(*si), _mm512_mul_ps(a, s)),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        for (i, ti) in total.iter().enumerate() {
+            _mm512_storeu_ps(acc.as_mut_ptr().add(i * BLOCK), *ti);
+        }
+    }
+
+    /// Eight f16 values at p, as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn eight(p: *const u8) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+    }
+
+    /// Eight bytes at p as f32, unsigned (`SIGNED` false) or signed.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn eight_bytes<const SIGNED: bool>(p: *const u8) -> __m256 {
+        let v = _mm_loadl_epi64(p.cast());
+        _mm256_cvtepi32_ps(if SIGNED {
+            _mm256_cvtepi8_epi32(v)
+        } else {
+            _mm256_cvtepu8_epi32(v)
+        })
+    }
+
+    /// AVX2, half a block (8 output rows) a ymm, for R ≤ 4 rows. vpmaddubsw (u8 × s8) sums a
+    /// run's products in i16 pairs, as many runs as cannot overflow (2 · 127 · the largest
+    /// value: Q4_K 8 runs, Q5_K 4, Q6_K 2), then vpmaddwd widens them to i32. Q8_0's values
+    /// reach 255, too many for an i16 pair: its runs are multiplied signed, |w| × sign(x, w)
+    /// (w = u - 128, at most 128 · 127 · 2 < 2^15), each run widened at once. The same
+    /// integers as the other kernels, so the same bits.
+    #[target_feature(enable = "avx2,f16c")]
+    #[allow(clippy::too_many_lines)]
+    pub unsafe fn dot_half<const R: usize, const T: u8>(
+        w: &[u8],
+        half: usize,
+        rows: &Rows<'_>,
+        acc: &mut [f32],
+    ) {
+        let Rows {
+            xs,
+            sx,
+            xsum,
+            start,
+            width,
+        } = *rows;
+        let bt = BlockType::ALL[T as usize];
+        let (rc, rb) = (bt.record_cols(), bt.record_bytes());
+        let groups = width / GROUP;
+        let low = _mm256_set1_epi8(15);
+        let ones = _mm256_set1_epi16(1);
+        let xp = xs.as_ptr();
+        macro_rules! x4 {
+            ($i:expr, $at:expr) => {
+                _mm256_set1_epi32(xp.add($i * width + $at).cast::<i32>().read_unaligned())
+            };
+        }
+        let base = acc.as_mut_ptr();
+        let out = |i: usize| base.add(i * BLOCK + 8 * half);
+        let mut total = [_mm256_setzero_ps(); R];
+        // Runs summed in i16 before widening.
+        let span = match T {
+            Q4K => 4,
+            Q5K => 2,
+            _ => 1,
+        };
+        for s in 0..width / rc {
+            let rec = w.as_ptr().add(s * rb);
+            let d = eight(rec.add(16 * half));
+            for j in 0..rc / GROUP {
+                let g = s * (rc / GROUP) + j;
+                let nib = rec.add(HEADER + j * 256 + 32 * half);
+                let scales = rec.add(scales_at(T) + j * 32 + 8 * half);
+                let hi = rec.add(high_at(T) + 32 * half);
+                let subs = if T == Q6K { 2 } else { 1 };
+                let mut h = match T {
+                    Q5K => _mm256_loadu_si256(hi.add(j * 64).cast()),
+                    _ => _mm256_setzero_si256(),
+                };
+                for sub in 0..subs {
+                    let a = match T {
+                        Q4K | Q5K => _mm256_mul_ps(d, eight_bytes::<false>(scales)),
+                        Q6K => _mm256_mul_ps(d, eight_bytes::<true>(scales.add(16 * sub))),
+                        _ => eight(rec.add(32 * j + 16 * half)),
+                    };
+                    if T == Q6K {
+                        h = _mm256_loadu_si256(hi.add((2 * j + sub) * 64).cast());
+                    }
+                    let mut sums = [_mm256_setzero_si256(); R];
+                    if T == Q6K {
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            *si = _mm256_set1_epi32(
+                                *start.get_unchecked(i * 2 * groups + 2 * g + sub),
+                            );
+                        }
+                    }
+                    let pairs = 4 / subs;
+                    let mut short = [_mm256_setzero_si256(); R];
+                    for q in 0..pairs {
+                        let p = sub * pairs + q;
+                        let v = _mm256_loadu_si256(nib.add(p * 64).cast());
+                        let (mut w0, mut w1) = (
+                            _mm256_and_si256(v, low),
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                        );
+                        match T {
+                            Q5K => {
+                                let bit = _mm256_set1_epi8(0x10);
+                                w0 = _mm256_or_si256(
+                                    w0,
+                                    _mm256_and_si256(_mm256_slli_epi16(h, 4), bit),
+                                );
+                                w1 = _mm256_or_si256(
+                                    w1,
+                                    _mm256_and_si256(_mm256_slli_epi16(h, 3), bit),
+                                );
+                                h = _mm256_srli_epi16(h, 2);
+                            }
+                            Q6K => {
+                                let bits = _mm256_set1_epi8(0x30);
+                                w0 = _mm256_or_si256(
+                                    w0,
+                                    _mm256_and_si256(_mm256_slli_epi16(h, 4), bits),
+                                );
+                                w1 = _mm256_or_si256(
+                                    w1,
+                                    _mm256_and_si256(_mm256_slli_epi16(h, 2), bits),
+                                );
+                                h = _mm256_srli_epi16(h, 4);
+                            }
+                            Q8_0 => {
+                                let top = _mm256_set1_epi8(-16);
+                                let hv = _mm256_loadu_si256(hi.add((j * 4 + p) * 64).cast());
+                                let flip = _mm256_set1_epi8(-128);
+                                // w = u - 128 as i8: u with its top bit flipped
+                                w0 = _mm256_xor_si256(
+                                    _mm256_or_si256(
+                                        w0,
+                                        _mm256_and_si256(_mm256_slli_epi16(hv, 4), top),
+                                    ),
+                                    flip,
+                                );
+                                w1 = _mm256_xor_si256(
+                                    _mm256_or_si256(w1, _mm256_and_si256(hv, top)),
+                                    flip,
+                                );
+                            }
+                            _ => {}
+                        }
+                        let at = g * GROUP + p * 8;
+                        for (i, (si, sh)) in sums.iter_mut().zip(short.iter_mut()).enumerate() {
+                            let (x0, x1) = (x4!(i, at), x4!(i, at + 4));
+                            if T == Q8_0 {
+                                let p0 = _mm256_maddubs_epi16(
+                                    _mm256_sign_epi8(w0, w0),
+                                    _mm256_sign_epi8(x0, w0),
+                                );
+                                let p1 = _mm256_maddubs_epi16(
+                                    _mm256_sign_epi8(w1, w1),
+                                    _mm256_sign_epi8(x1, w1),
+                                );
+                                *si = _mm256_add_epi32(*si, _mm256_madd_epi16(p0, ones));
+                                *si = _mm256_add_epi32(*si, _mm256_madd_epi16(p1, ones));
+                            } else {
+                                let two = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(w0, x0),
+                                    _mm256_maddubs_epi16(w1, x1),
+                                );
+                                *sh = _mm256_add_epi16(*sh, two);
+                                if (q + 1) % span == 0 {
+                                    *si = _mm256_add_epi32(*si, _mm256_madd_epi16(*sh, ones));
+                                    *sh = _mm256_setzero_si256();
+                                }
+                            }
+                        }
+                    }
+                    for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                        let s = _mm256_set1_ps(*sx.get_unchecked(i * groups + g));
+                        *ti = _mm256_add_ps(
+                            *ti,
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(*si), _mm256_mul_ps(a, s)),
+                        );
+                    }
+                }
+                if T == Q4K || T == Q5K {
+                    let dmin = eight(rec.add(32 + 16 * half));
+                    let mn = eight_bytes::<false>(scales.add(16));
+                    let b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn));
+                    for (i, ti) in total.iter_mut().enumerate() {
+                        let xs = _mm256_set1_ps(*xsum.get_unchecked(i * groups + g));
+                        *ti = _mm256_add_ps(*ti, _mm256_mul_ps(b, xs));
+                    }
+                }
+            }
+        }
+        for (i, ti) in total.iter().enumerate() {
+            _mm256_storeu_ps(out(i), *ti);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::int8::tests::{kernels, lcg};
+
+    /// Random but valid raw blocks of `t` for a (rows, cols) tensor: random bytes, with every
+    /// f16 scale set to a finite value of about 1e-3 to 1e-2 (signed for d).
+    pub(crate) fn random_blocks(t: BlockType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let n = rows * cols / t.block_values();
+        let bb = t.block_bytes();
+        let noise = lcg(seed, n * bb);
+        let mut raw: Vec<u8> = noise.iter().map(|v| ((v + 0.5) * 256.0) as u8).collect();
+        let scales = lcg(seed + 1, 2 * n);
+        for (i, b) in raw.chunks_exact_mut(bb).enumerate() {
+            let d = f16::from_f32(0.001 + scales[2 * i] * 0.01);
+            let dmin = f16::from_f32(0.001 + scales[2 * i + 1].abs() * 0.01);
+            match t {
+                BlockType::Q6K => b[208..210].copy_from_slice(&d.to_le_bytes()),
+                BlockType::Q8_0 => b[..2].copy_from_slice(&d.to_le_bytes()),
+                _ => {
+                    b[..2].copy_from_slice(&f16::from_f32(d.to_f32().abs()).to_le_bytes());
+                    b[2..4].copy_from_slice(&dmin.to_le_bytes());
+                }
+            }
+        }
+        raw
+    }
+
+    /// The product from the decoded values, each sub-block's integer sum in i64, then the
+    /// documented f32 order: independent of the packing.
+    fn reference(
+        parts: &[(BlockType, Vec<u8>, usize)],
+        cols: usize,
+        x: &[f32],
+        n: usize,
+    ) -> Vec<f32> {
+        let rows: usize = parts.iter().map(|p| p.2).sum();
+        let groups = cols / GROUP;
+        let mut out = vec![0.0; n * rows];
+        for r in 0..n {
+            let row = &x[r * cols..(r + 1) * cols];
+            let mut xq = vec![0i8; cols];
+            let scales: Vec<f32> = (0..groups)
+                .map(|g| {
+                    crate::int8::quantize(
+                        &row[g * GROUP..(g + 1) * GROUP],
+                        &mut xq[g * GROUP..(g + 1) * GROUP],
+                    )
+                })
+                .collect();
+            let bad = row.iter().any(|v| !v.is_finite());
+            let mut o0 = 0;
+            for (t, raw, prow) in parts {
+                let un = unpack(*t, raw, *prow, cols);
+                let per_row = cols / t.block_values();
+                let subs = subs_per_block(*t);
+                let sub_len = t.block_values() / subs;
+                for o in 0..*prow {
+                    let mut total = 0.0f32;
+                    for (g, &sx) in scales.iter().enumerate() {
+                        let sum = |lo: usize, hi: usize| -> (i64, i64) {
+                            (lo..hi).fold((0, 0), |(a, b), k| {
+                                let xv = i64::from(xq[k]);
+                                (a + xv * i64::from(un.u[o * cols + k]), b + xv)
+                            })
+                        };
+                        let blk = o * per_row + g * GROUP / t.block_values();
+                        let d = un.d[blk].to_f32();
+                        match t {
+                            BlockType::Q4K | BlockType::Q5K => {
+                                let at = o * per_row * subs + g * GROUP / sub_len;
+                                let (s, xs) = sum(g * GROUP, (g + 1) * GROUP);
+                                let a = d * f32::from(un.sc[at]);
+                                total += (s as f32) * (a * sx);
+                                let b = 0.0 - un.dmin[blk].to_f32() * f32::from(un.mn[at]);
+                                total += b * (sx * xs as f32);
+                            }
+                            BlockType::Q6K => {
+                                for sub in 0..2 {
+                                    let lo = g * GROUP + 16 * sub;
+                                    let (s, xs) = sum(lo, lo + 16);
+                                    let a = d * f32::from(un.sc[o * per_row * subs + lo / 16]);
+                                    total += ((s - 32 * xs) as f32) * (a * sx);
+                                }
+                            }
+                            BlockType::Q8_0 => {
+                                let (s, xs) = sum(g * GROUP, (g + 1) * GROUP);
+                                total += ((s - 128 * xs) as f32) * (d * sx);
+                            }
+                        }
+                    }
+                    out[r * rows + o0 + o] = if bad { f32::NAN } else { total };
+                }
+                o0 += prow;
+            }
+        }
+        out
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    fn matrix(parts: &[(BlockType, Vec<u8>, usize)], cols: usize) -> GgufMatrix {
+        let views: Vec<_> = parts
+            .iter()
+            .map(|(t, raw, rows)| (*t, &raw[..], *rows))
+            .collect();
+        GgufMatrix::from_blocks(&views, cols).unwrap()
+    }
+
+    type Parts = Vec<(BlockType, Vec<u8>, usize)>;
+
+    fn cases() -> Vec<(Parts, usize)> {
+        use BlockType::{Q4K, Q5K, Q6K, Q8_0};
+        let mut out = vec![];
+        for (i, t) in BlockType::ALL.into_iter().enumerate() {
+            for &(rows, cols) in &[(16, 256), (5, 512), (33, 768)] {
+                let seed = (i * 100 + rows) as u64;
+                out.push((vec![(t, random_blocks(t, rows, cols, seed), rows)], cols));
+            }
+        }
+        out.push((vec![(Q8_0, random_blocks(Q8_0, 7, 64, 3), 7)], 64));
+        // a fused q/k/v of a Q4_K_M file, and every type in one stack
+        let cols = 512;
+        out.push((
+            vec![
+                (Q4K, random_blocks(Q4K, 64, cols, 11), 64),
+                (Q4K, random_blocks(Q4K, 16, cols, 12), 16),
+                (Q6K, random_blocks(Q6K, 16, cols, 13), 16),
+            ],
+            cols,
+        ));
+        out.push((
+            vec![
+                (Q6K, random_blocks(Q6K, 32, cols, 21), 32),
+                (Q5K, random_blocks(Q5K, 16, cols, 22), 16),
+                (Q8_0, random_blocks(Q8_0, 48, cols, 23), 48),
+                (Q4K, random_blocks(Q4K, 9, cols, 24), 9),
+            ],
+            cols,
+        ));
+        out
+    }
+
+    #[test]
+    fn every_kernel_equals_the_reference_bit_for_bit() {
+        for (parts, cols) in cases() {
+            let m = matrix(&parts, cols);
+            for n in [1, 2, 3, 4, 5, 9, 10, 11, 23] {
+                let mut x = lcg(7 + n as u64, n * cols);
+                if n == 5 {
+                    x[2 * cols + 3] = f32::NAN; // row 2 only is NaN
+                }
+                let want = reference(&parts, cols, &x, n);
+                for k in kernels() {
+                    let mut out = vec![0.0; n * m.rows()];
+                    m.matmul(&x, &mut out, k).unwrap();
+                    let types: Vec<_> = m.types().iter().map(|t| t.0.name()).collect();
+                    assert!(
+                        same_bits(&out, &want),
+                        "{k:?} {types:?} x {n} rows, {cols} cols"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_reference_catches_a_wrong_start_or_scale() {
+        // The negative controls: Q6_K without its -32 Σ xq, Q8_0 read as unsigned, Q4_K's minimum
+        // with the wrong sign each differ from the kernels' output.
+        let cols = 256;
+        let x = lcg(5, 3 * cols);
+        for t in BlockType::ALL {
+            let raw = random_blocks(t, 16, cols, 77);
+            let m = matrix(&[(t, raw.clone(), 16)], cols);
+            let mut out = vec![0.0; 3 * 16];
+            m.matmul(&x, &mut out, Kernel::best()).unwrap();
+            // the same blocks read as another type of matrix: a different product
+            let mut flipped = raw.clone();
+            match t {
+                BlockType::Q6K => flipped[192] ^= 0x80, // the first sub-block's scale's sign
+                BlockType::Q8_0 => flipped[2] ^= 0x80,  // a value's sign bit
+                _ => flipped[4] ^= 1,                   // the first group's sc
+            }
+            let wrong = reference(&[(t, flipped, 16)], cols, &x, 3);
+            assert!(
+                !same_bits(&out, &wrong),
+                "{t:?}: a changed block went unnoticed"
+            );
+        }
+    }
+
+    #[test]
+    fn extreme_values_do_not_overflow_any_kernel() {
+        // Every value at its largest (and Q8_0 at -128 too) against activations all at ±127:
+        // the sums the AVX2 kernels keep in i16 are at their bounds here.
+        let cols = 512;
+        for t in BlockType::ALL {
+            for fill in [0xFFu8, 0x80, 0x7F] {
+                let mut raw = random_blocks(t, 16, cols, 5);
+                let bb = t.block_bytes();
+                for b in raw.chunks_exact_mut(bb) {
+                    let (lo, hi) = match t {
+                        BlockType::Q6K => (0, 192), // values; the scales stay random
+                        BlockType::Q8_0 => (2, 34),
+                        BlockType::Q4K => (16, 144),
+                        BlockType::Q5K => (16, 176),
+                    };
+                    b[lo..hi].fill(fill);
+                    if t == BlockType::Q6K {
+                        b[192..208].fill(0x7F); // sc = 127
+                    }
+                }
+                let parts = vec![(t, raw, 16)];
+                let m = matrix(&parts, cols);
+                let mut x = vec![1.0f32; cols];
+                x.extend(std::iter::repeat_n(-1.0f32, cols));
+                let want = reference(&parts, cols, &x, 2);
+                for k in kernels() {
+                    let mut out = vec![0.0; 2 * 16];
+                    m.matmul(&x, &mut out, k).unwrap();
+                    assert!(same_bits(&out, &want), "{k:?} {t:?} filled with {fill:#x}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_of_a_pass_are_independent() {
+        let (parts, cols) = cases().pop().unwrap();
+        let m = matrix(&parts, cols);
+        let n = 9;
+        let x = lcg(3, n * cols);
+        for k in kernels() {
+            let mut all = vec![0.0; n * m.rows()];
+            m.matmul(&x, &mut all, k).unwrap();
+            for r in 0..n {
+                let mut one = vec![0.0; m.rows()];
+                m.matmul(&x[r * cols..(r + 1) * cols], &mut one, k).unwrap();
+                assert!(
+                    same_bits(&one, &all[r * m.rows()..(r + 1) * m.rows()]),
+                    "{k:?} row {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn dequantize_follows_the_decoded_blocks() {
+        for (parts, cols) in cases() {
+            let m = matrix(&parts, cols);
+            let w = m.dequantize();
+            let mut o0 = 0;
+            for (t, raw, rows) in &parts {
+                let un = unpack(*t, raw, *rows, cols);
+                let per_row = cols / t.block_values();
+                let subs = subs_per_block(*t);
+                let sub_len = t.block_values() / subs;
+                for o in 0..*rows {
+                    for k in 0..cols {
+                        let blk = o * per_row + k / t.block_values();
+                        let at = o * per_row * subs + k / sub_len;
+                        let (d, u) = (un.d[blk].to_f32(), f32::from(un.u[o * cols + k]));
+                        let want = match t {
+                            BlockType::Q4K | BlockType::Q5K => {
+                                (d * f32::from(un.sc[at])) * u
+                                    - un.dmin[blk].to_f32() * f32::from(un.mn[at])
+                            }
+                            BlockType::Q6K => (d * f32::from(un.sc[at])) * (u - 32.0),
+                            BlockType::Q8_0 => d * (u - 128.0),
+                        };
+                        assert_eq!(
+                            w[(o0 + o) * cols + k].to_bits(),
+                            want.to_bits(),
+                            "{t:?} ({o}, {k})"
+                        );
+                    }
+                }
+                o0 += rows;
+            }
+        }
+    }
+
+    #[test]
+    fn q8_0_values_are_the_signed_bytes() {
+        // A Q8_0 block of known values: d = 0.5, q = -128..-96.
+        let mut b = vec![0u8; 34 * 2];
+        for blk in b.chunks_exact_mut(34) {
+            blk[..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+            for (i, v) in blk[2..].iter_mut().enumerate() {
+                *v = (i as u8).wrapping_add(0x80); // q = -128 + i
+            }
+        }
+        let m = GgufMatrix::from_blocks(&[(BlockType::Q8_0, &b, 1)], 64).unwrap();
+        let w = m.dequantize();
+        assert_eq!(w[0].to_bits(), (-64.0f32).to_bits());
+        assert_eq!(w[31].to_bits(), (0.5f32 * -97.0).to_bits());
+        assert_eq!(w[32].to_bits(), (-64.0f32).to_bits());
+    }
+
+    #[test]
+    fn bad_parts_are_refused() {
+        let q4k = random_blocks(BlockType::Q4K, 16, 256, 1);
+        let err = |parts: &[(BlockType, &[u8], usize)], cols| {
+            GgufMatrix::from_blocks(parts, cols)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
+        assert!(err(&[(BlockType::Q4K, &q4k[1..], 16)], 256).contains("bytes"));
+        assert!(err(&[(BlockType::Q4K, &q4k, 16)], 128).contains("multiple of 256"));
+        let five = random_blocks(BlockType::Q4K, 5, 256, 2);
+        assert!(err(
+            &[(BlockType::Q4K, &five, 5), (BlockType::Q4K, &q4k, 16)],
+            256
+        )
+        .contains("multiple of 16 rows"));
+        assert!(err(&[], 256).contains("at least one part"));
+        assert!(BlockType::from_name("Q3_K")
+            .unwrap_err()
+            .to_string()
+            .contains("Q4_K"));
+        let mut nan = q4k.clone();
+        nan[..2].copy_from_slice(&f16::NAN.to_le_bytes());
+        assert!(err(&[(BlockType::Q4K, &nan, 16)], 256).contains("finite"));
+        let m = GgufMatrix::from_blocks(&[(BlockType::Q4K, &q4k, 16)], 256).unwrap();
+        let mut out = vec![0.0; 16];
+        assert!(m.matmul(&[0.0; 255], &mut out, Kernel::Scalar).is_err());
+    }
+
+    #[test]
+    fn bytes_read_are_the_files_plus_the_padded_headers() {
+        // bits a weight, in 1/1000ths
+        for (t, bits) in [
+            (BlockType::Q4K, 4625),
+            (BlockType::Q5K, 5625),
+            (BlockType::Q6K, 6625),
+            (BlockType::Q8_0, 8500),
+        ] {
+            let (rows, cols) = (32, 512);
+            let m = matrix(&[(t, random_blocks(t, rows, cols, 1), rows)], cols);
+            assert_eq!(m.nbytes() * 8000 / (rows * cols), bits, "{t:?}");
+        }
+    }
+}
