@@ -285,6 +285,30 @@ struct Part {
     row0: usize,
     rows: usize,
     packed: WeightBuf<u8>, // [ceil(rows / 16)][width / record_cols][record_bytes]
+    /// 2^-S for the headers' two slots (d, and dmin; Q8_0: d for both): see `normal_shift`.
+    unscale: [f32; 2],
+}
+
+/// The power of two S that lifts the f16 scales `values` clear of f16's subnormals: the
+/// largest with max |v| · 2^S still finite in f16. The headers hold v · 2^S (exact: shifting
+/// adds to the exponent only) and the kernels multiply by 2^-S after converting (exact too),
+/// so every product is the same bits; but converting a subnormal f16 costs a microcode assist
+/// on some CPUs (Zen 4: a Q6_K pass ran at half the memory's rate), and a GGUF's Q6_K scales
+/// are nearly all subnormal.
+fn normal_shift(values: &[f16]) -> i32 {
+    let most = values
+        .iter()
+        .map(|v| v.to_f32().abs())
+        .fold(0.0f32, f32::max);
+    if most == 0.0 {
+        return 0;
+    }
+    (65504.0 / most).log2().floor().clamp(0.0, 60.0) as i32
+}
+
+/// v · 2^s as f16 (exact for an f16 v, while the result is finite).
+fn shifted(v: f16, s: i32) -> f16 {
+    f16::from_f32(v.to_f32() * (s as f32).exp2())
 }
 
 impl Part {
@@ -297,6 +321,12 @@ impl Part {
         let per_row = cols / t.block_values();
         let subs = subs_per_block(t);
         let sub_len = t.block_values() / subs;
+        let s0 = normal_shift(&un.d);
+        let s1 = if t == BlockType::Q8_0 {
+            s0
+        } else {
+            normal_shift(&un.dmin)
+        };
         for o in 0..rows {
             let (b, lane) = (o / BLOCK, o % BLOCK);
             for s in 0..records {
@@ -305,13 +335,14 @@ impl Part {
                 // header
                 if t == BlockType::Q8_0 {
                     for j in 0..2 {
-                        let d = un.d[o * per_row + k0 / 32 + j].to_le_bytes();
+                        let d = shifted(un.d[o * per_row + k0 / 32 + j], s0).to_le_bytes();
                         rec[32 * j + 2 * lane..32 * j + 2 * lane + 2].copy_from_slice(&d);
                     }
                 } else {
                     let at = o * per_row + s;
-                    rec[2 * lane..2 * lane + 2].copy_from_slice(&un.d[at].to_le_bytes());
-                    rec[32 + 2 * lane..34 + 2 * lane].copy_from_slice(&un.dmin[at].to_le_bytes());
+                    let (d, dmin) = (shifted(un.d[at], s0), shifted(un.dmin[at], s1));
+                    rec[2 * lane..2 * lane + 2].copy_from_slice(&d.to_le_bytes());
+                    rec[32 + 2 * lane..34 + 2 * lane].copy_from_slice(&dmin.to_le_bytes());
                 }
                 for k in 0..rc {
                     let u = un.u[o * cols + k0 + k];
@@ -355,6 +386,7 @@ impl Part {
             row0,
             rows,
             packed,
+            unscale: [(-s0 as f32).exp2(), (-s1 as f32).exp2()],
         }
     }
 
@@ -482,18 +514,18 @@ impl GgufMatrix {
         let rec = self.record(p, o / BLOCK, k / p.kind.record_cols());
         let (lane, k) = (o % BLOCK, k % p.kind.record_cols());
         let u = f32::from(value(rec, t, lane, k));
-        let g = k / GROUP;
+        let (g, un) = (k / GROUP, p.unscale);
         match t {
             Q4K | Q5K => {
-                let (d, dmin) = (header(rec, 0, lane), header(rec, 1, lane));
+                let (d, dmin) = (header(rec, 0, lane, un), header(rec, 1, lane, un));
                 let (sc, mn) = (sub_scale(rec, t, g, 0, lane), sub_scale(rec, t, g, 1, lane));
                 (d * sc) * u - dmin * mn
             }
             Q6K => {
                 let sc = sub_scale(rec, t, g, (k % GROUP) / 16, lane);
-                (header(rec, 0, lane) * sc) * (u - 32.0)
+                (header(rec, 0, lane, un) * sc) * (u - 32.0)
             }
-            _ => header(rec, g, lane) * (u - 128.0),
+            _ => header(rec, g, lane, un) * (u - 128.0),
         }
     }
 
@@ -511,19 +543,19 @@ impl GgufMatrix {
             return Ok(());
         }
         let acts = Activations::quantize(x, n, self.cols, self.cols);
-        let extra = Extra::new(&acts, n, self.cols, &self.parts);
+        let most = rows_per_call(kernel);
+        let woven = Woven::new(&acts, n, self.cols, &self.parts, most);
         let blocks: Vec<(usize, usize)> = (self.parts.iter().enumerate())
             .flat_map(|(i, p)| (0..p.blocks()).map(move |b| (i, b)))
             .collect();
         let out = Shared::new(out);
-        let most = rows_per_call(kernel);
         let run = |range: std::ops::Range<usize>| {
             let mut acc = [0.0f32; VNNI_ROWS * BLOCK];
             for &(i, b) in &blocks[range] {
                 let p = &self.parts[i];
                 let mut r0 = 0;
                 for m in chunks(n, most) {
-                    self.dot_block(kernel, p, b, &acts, &extra, r0, m, &mut acc);
+                    self.dot_block(kernel, p, b, &woven, r0, m, &mut acc);
                     write(self.rows, p, b, r0, m, &acc, &acts.bad, &out);
                     r0 += m;
                 }
@@ -548,8 +580,7 @@ impl GgufMatrix {
         kernel: Kernel,
         p: &Part,
         b: usize,
-        acts: &Activations,
-        extra: &Extra,
+        woven: &Woven,
         r0: usize,
         m: usize,
         acc: &mut [f32],
@@ -557,21 +588,21 @@ impl GgufMatrix {
         let records = self.cols / p.kind.record_cols();
         let rb = p.kind.record_bytes();
         let w = &p.packed[b * records * rb..(b + 1) * records * rb];
-        let (xs, sx, _) = acts.rows(r0, m);
         let groups = self.cols / GROUP;
         let rows = Rows {
-            xs,
-            sx,
-            xsum: extra
+            xs: &woven.xs[r0 * self.cols..(r0 + m) * self.cols],
+            sx: &woven.sx[r0 * groups..(r0 + m) * groups],
+            xsum: woven
                 .xsum
                 .get(r0 * groups..(r0 + m) * groups)
                 .unwrap_or(&[]),
             start: match p.kind {
-                BlockType::Q6K => &extra.start16[r0 * 2 * groups..(r0 + m) * 2 * groups],
-                BlockType::Q8_0 => &extra.start32[r0 * groups..(r0 + m) * groups],
+                BlockType::Q6K => &woven.start16[r0 * 2 * groups..(r0 + m) * 2 * groups],
+                BlockType::Q8_0 => &woven.start32[r0 * groups..(r0 + m) * groups],
                 _ => &[],
             },
             width: self.cols,
+            unscale: p.unscale,
         };
         #[cfg(target_arch = "x86_64")]
         macro_rules! types {
@@ -641,38 +672,85 @@ impl Product for GgufMatrix {
     }
 }
 
-/// What a product needs of the activations beyond their values and scales, per row: sx · Σ xq
-/// per group (Q4_K/Q5_K's minimum term), -32 Σ xq per 16 (Q6_K's start), -128 Σ xq per group
-/// (Q8_0's); each empty where no part needs it.
-struct Extra {
+/// A pass's activations as the kernels read them, each chunk of rows that one kernel call takes
+/// (`chunks(n, most)`) woven together: for a chunk of m rows, the int8 values as [width / 4][m][4]
+/// (a run of 4 features of every row side by side, so a kernel reaches row i's at a constant
+/// offset from one pointer, not through a register a row), and per row sx, sx · Σ xq
+/// (Q4_K/Q5_K's minimum term), -32 Σ xq per 16 (Q6_K's start) and -128 Σ xq per group
+/// (Q8_0's) as [sub-blocks][m]; each of the last three empty where no part needs it.
+struct Woven {
+    xs: Vec<i8>,
+    sx: Vec<f32>,
     xsum: Vec<f32>,
     start16: Vec<i32>,
     start32: Vec<i32>,
 }
 
-impl Extra {
-    fn new(acts: &Activations, n: usize, width: usize, parts: &[Part]) -> Extra {
+impl Woven {
+    fn new(acts: &Activations, n: usize, width: usize, parts: &[Part], most: usize) -> Woven {
         let has = |t: BlockType| parts.iter().any(|p| p.kind == t);
-        let mut e = Extra {
+        let groups = width / GROUP;
+        let (q, sums) = (&acts.q[..n * width], &acts.sums[..n * groups]);
+        let per_row = |f: &dyn Fn(usize, usize) -> f32| -> Vec<f32> {
+            (0..n * groups)
+                .map(|at| f(at / groups, at % groups))
+                .collect()
+        };
+        let sum16 = |r: usize, j: usize| -> i32 {
+            q[r * width + 16 * j..r * width + 16 * j + 16]
+                .iter()
+                .map(|&v| i32::from(v))
+                .sum()
+        };
+        let mut w = Woven {
+            xs: vec![0; n * width],
+            sx: vec![0.0; n * groups],
             xsum: vec![],
             start16: vec![],
             start32: vec![],
         };
-        if has(BlockType::Q4K) || has(BlockType::Q5K) {
-            e.xsum = (acts.scales.iter().zip(&acts.sums))
-                .map(|(&s, &t)| s * t as f32)
-                .collect();
-        }
-        if has(BlockType::Q8_0) {
-            e.start32 = acts.sums.iter().map(|&t| -128 * t).collect();
+        let sx = per_row(&|r, g| acts.scales[r * groups + g]);
+        let xsum = if has(BlockType::Q4K) || has(BlockType::Q5K) {
+            per_row(&|r, g| acts.scales[r * groups + g] * sums[r * groups + g] as f32)
+        } else {
+            vec![]
+        };
+        if !xsum.is_empty() {
+            w.xsum = vec![0.0; n * groups];
         }
         if has(BlockType::Q6K) {
-            e.start16 = acts.q[..n * width]
-                .chunks_exact(16)
-                .map(|c| -32 * c.iter().map(|&v| i32::from(v)).sum::<i32>())
-                .collect();
+            w.start16 = vec![0; 2 * n * groups];
         }
-        e
+        if has(BlockType::Q8_0) {
+            w.start32 = vec![0; n * groups];
+        }
+        let mut r0 = 0;
+        for m in chunks(n, most) {
+            for i in 0..m {
+                let r = r0 + i;
+                for k in (0..width).step_by(4) {
+                    let to = r0 * width + k * m + 4 * i;
+                    w.xs[to..to + 4].copy_from_slice(&q[r * width + k..r * width + k + 4]);
+                }
+                for g in 0..groups {
+                    let to = r0 * groups + g * m + i;
+                    w.sx[to] = sx[r * groups + g];
+                    if !w.xsum.is_empty() {
+                        w.xsum[to] = xsum[r * groups + g];
+                    }
+                    if !w.start32.is_empty() {
+                        w.start32[to] = -128 * sums[r * groups + g];
+                    }
+                }
+                for j in 0..2 * groups {
+                    if !w.start16.is_empty() {
+                        w.start16[2 * r0 * groups + j * m + i] = -32 * sum16(r, j);
+                    }
+                }
+            }
+            r0 += m;
+        }
+        w
     }
 }
 
@@ -724,8 +802,9 @@ fn has_f16c() -> bool {
     is_x86_feature_detected!("f16c")
 }
 
-/// The activation rows of a kernel call: int8 values (rows of `width`), per row and group sx and
-/// (Q4_K/Q5_K) sx · Σ xq, and the integer sums' starts (Q6_K: per 16, Q8_0: per group).
+/// The m activation rows of a kernel call, woven (see [`Woven`]): int8 values [width / 4][m][4],
+/// per group sx and (Q4_K/Q5_K) sx · Σ xq [groups][m], and the integer sums' starts (Q6_K:
+/// [2 · groups][m], Q8_0: [groups][m]).
 #[derive(Clone, Copy)]
 struct Rows<'a> {
     xs: &'a [i8],
@@ -733,11 +812,12 @@ struct Rows<'a> {
     xsum: &'a [f32],
     start: &'a [i32],
     width: usize,
+    unscale: [f32; 2],
 }
 
 /// Header value `j` (0: d, 1: dmin; Q8_0: group j's d) of a record's row `lane`, as f32.
-fn header(rec: &[u8], j: usize, lane: usize) -> f32 {
-    half_at(rec, 32 * j + 2 * lane).to_f32()
+fn header(rec: &[u8], j: usize, lane: usize, unscale: [f32; 2]) -> f32 {
+    half_at(rec, 32 * j + 2 * lane).to_f32() * unscale[j.min(1)]
 }
 
 /// Group g's sub-scale j of row `lane` (K types: j 0 is sc, 1 is mn; Q6_K: sub-block j's sc).
@@ -766,42 +846,46 @@ fn value(rec: &[u8], t: u8, lane: usize, k: usize) -> u8 {
     low | (top << 4)
 }
 
+/// Where row i's feature f lies in a woven chunk of m rows.
+fn woven_at(f: usize, i: usize, m: usize) -> usize {
+    (f / 4) * 4 * m + 4 * i + f % 4
+}
+
 /// The portable kernel, and the order every other one keeps.
 fn dot_scalar(w: &[u8], t: u8, rows: &Rows<'_>, m: usize, acc: &mut [f32]) {
     let bt = BlockType::ALL[t as usize];
     let (rc, rb) = (bt.record_cols(), bt.record_bytes());
-    let groups = rows.width / GROUP;
+    let (groups, un) = (rows.width / GROUP, rows.unscale);
     for i in 0..m {
-        let x = &rows.xs[i * rows.width..(i + 1) * rows.width];
         for lane in 0..BLOCK {
             let mut total = 0.0f32;
             for g in 0..groups {
                 let (s, j) = (g * GROUP / rc, g % (rc / GROUP));
                 let rec = &w[s * rb..(s + 1) * rb];
-                let sx = rows.sx[i * groups + g];
+                let sx = rows.sx[g * m + i];
                 let dot = |lo: usize, hi: usize, start: i32| {
                     (lo..hi).fold(start, |acc, k| {
                         acc + i32::from(value(rec, t, lane, j * GROUP + k))
-                            * i32::from(x[g * GROUP + k])
+                            * i32::from(rows.xs[woven_at(g * GROUP + k, i, m)])
                     })
                 };
                 match t {
                     Q4K | Q5K => {
-                        let a = header(rec, 0, lane) * sub_scale(rec, t, j, 0, lane);
+                        let a = header(rec, 0, lane, un) * sub_scale(rec, t, j, 0, lane);
                         total += (dot(0, 32, 0) as f32) * (a * sx);
-                        let b = 0.0 - header(rec, 1, lane) * sub_scale(rec, t, j, 1, lane);
-                        total += b * rows.xsum[i * groups + g];
+                        let b = 0.0 - header(rec, 1, lane, un) * sub_scale(rec, t, j, 1, lane);
+                        total += b * rows.xsum[g * m + i];
                     }
                     Q6K => {
                         for sub in 0..2 {
-                            let a = header(rec, 0, lane) * sub_scale(rec, t, j, sub, lane);
-                            let start = rows.start[i * 2 * groups + 2 * g + sub];
+                            let a = header(rec, 0, lane, un) * sub_scale(rec, t, j, sub, lane);
+                            let start = rows.start[(2 * g + sub) * m + i];
                             total += (dot(16 * sub, 16 * sub + 16, start) as f32) * (a * sx);
                         }
                     }
                     _ => {
-                        let a = header(rec, j, lane);
-                        let start = rows.start[i * groups + g];
+                        let a = header(rec, j, lane, un);
+                        let start = rows.start[g * m + i];
                         total += (dot(0, 32, start) as f32) * (a * sx);
                     }
                 }
@@ -835,22 +919,27 @@ mod x86 {
             xsum,
             start,
             width,
+            unscale,
         } = *rows;
         let bt = BlockType::ALL[T as usize];
         let (rc, rb) = (bt.record_cols(), bt.record_bytes());
-        let groups = width / GROUP;
+        let (un0, un1) = (_mm512_set1_ps(unscale[0]), _mm512_set1_ps(unscale[1]));
         let low = _mm512_set1_epi8(15);
         let xp = xs.as_ptr();
         macro_rules! x4 {
             ($i:expr, $at:expr) => {
-                _mm512_set1_epi32(xp.add($i * width + $at).cast::<i32>().read_unaligned())
+                _mm512_set1_epi32(xp.add($at * R + 4 * $i).cast::<i32>().read_unaligned())
             };
         }
         let mut total = [_mm512_setzero_ps(); R];
         for s in 0..width / rc {
             let rec = w.as_ptr().add(s * rb);
-            _mm_prefetch::<_MM_HINT_T1>(rec.wrapping_add(rb + 4096).cast());
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(rec.cast()));
+            // One or two rows read faster than the hardware prefetches: the next records into
+            // L2; more rows take longer over a record, and keep the lines 2 KB ahead in L1.
+            if R <= 2 {
+                _mm_prefetch::<_MM_HINT_T1>(rec.wrapping_add(rb + 4096).cast());
+            }
+            let d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(rec.cast())), un0);
             for j in 0..rc / GROUP {
                 let g = s * (rc / GROUP) + j;
                 let nib = rec.add(HEADER + j * 256);
@@ -858,7 +947,10 @@ mod x86 {
                 let hi = rec.add(high_at(T));
                 match T {
                     Q4K | Q5K => {
-                        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(32).cast()));
+                        let dmin = _mm512_mul_ps(
+                            _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(32).cast())),
+                            un1,
+                        );
                         let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
                             scales.cast(),
                         )));
@@ -875,6 +967,9 @@ mod x86 {
                         };
                         let bit = _mm512_set1_epi8(0x10);
                         for p in 0..4 {
+                            if R > 2 {
+                                _mm_prefetch::<_MM_HINT_T0>(nib.wrapping_add(p * 64 + 2048).cast());
+                            }
                             let v = _mm512_loadu_si512(nib.add(p * 64).cast());
                             let mut w0 = _mm512_and_si512(v, low);
                             let mut w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -896,12 +991,12 @@ mod x86 {
                             }
                         }
                         for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                            let s = _mm512_set1_ps(*sx.get_unchecked(i * groups + g));
+                            let s = _mm512_set1_ps(*sx.get_unchecked(g * R + i));
                             let t = _mm512_add_ps(
                                 *ti,
                                 _mm512_mul_ps(_mm512_cvtepi32_ps(*si), _mm512_mul_ps(a, s)),
                             );
-                            let xsum = _mm512_set1_ps(*xsum.get_unchecked(i * groups + g));
+                            let xsum = _mm512_set1_ps(*xsum.get_unchecked(g * R + i));
                             *ti = _mm512_add_ps(t, _mm512_mul_ps(b, xsum));
                         }
                     }
@@ -915,11 +1010,15 @@ mod x86 {
                             let mut c = _mm512_loadu_si512(hi.add((2 * j + sub) * 64).cast());
                             let mut sums = [_mm512_setzero_si512(); R];
                             for (i, si) in sums.iter_mut().enumerate() {
-                                *si = _mm512_set1_epi32(
-                                    *start.get_unchecked(i * 2 * groups + 2 * g + sub),
-                                );
+                                *si =
+                                    _mm512_set1_epi32(*start.get_unchecked((2 * g + sub) * R + i));
                             }
                             for p in 2 * sub..2 * sub + 2 {
+                                if R > 2 {
+                                    _mm_prefetch::<_MM_HINT_T0>(
+                                        nib.wrapping_add(p * 64 + 2048).cast(),
+                                    );
+                                }
                                 let v = _mm512_loadu_si512(nib.add(p * 64).cast());
                                 let w0 = _mm512_or_si512(
                                     _mm512_and_si512(v, low),
@@ -937,7 +1036,7 @@ mod x86 {
                                 }
                             }
                             for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                                let s = _mm512_set1_ps(*sx.get_unchecked(i * groups + g));
+                                let s = _mm512_set1_ps(*sx.get_unchecked(g * R + i));
                                 *ti = _mm512_add_ps(
                                     *ti,
                                     _mm512_mul_ps(_mm512_cvtepi32_ps(*si), _mm512_mul_ps(a, s)),
@@ -946,13 +1045,19 @@ mod x86 {
                         }
                     }
                     _ => {
-                        let a = _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(32 * j).cast()));
+                        let a = _mm512_mul_ps(
+                            _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(32 * j).cast())),
+                            un0,
+                        );
                         let mut sums = [_mm512_setzero_si512(); R];
                         for (i, si) in sums.iter_mut().enumerate() {
-                            *si = _mm512_set1_epi32(*start.get_unchecked(i * groups + g));
+                            *si = _mm512_set1_epi32(*start.get_unchecked(g * R + i));
                         }
                         let top = _mm512_set1_epi8(-16); // 0xF0
                         for p in 0..4 {
+                            if R > 2 {
+                                _mm_prefetch::<_MM_HINT_T0>(nib.wrapping_add(p * 64 + 2048).cast());
+                            }
                             let v = _mm512_loadu_si512(nib.add(p * 64).cast());
                             let hv = _mm512_loadu_si512(hi.add((j * 4 + p) * 64).cast());
                             let w0 = _mm512_or_si512(
@@ -970,7 +1075,7 @@ mod x86 {
                             }
                         }
                         for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                            let s = _mm512_set1_ps(*sx.get_unchecked(i * groups + g));
+                            let s = _mm512_set1_ps(*sx.get_unchecked(g * R + i));
                             *ti = _mm512_add_ps(
                                 *ti,
                                 _mm512_mul_ps(_mm512_cvtepi32_ps(*si), _mm512_mul_ps(a, s)),
@@ -1024,16 +1129,17 @@ mod x86 {
             xsum,
             start,
             width,
+            unscale,
         } = *rows;
         let bt = BlockType::ALL[T as usize];
         let (rc, rb) = (bt.record_cols(), bt.record_bytes());
-        let groups = width / GROUP;
+        let (un0, un1) = (_mm256_set1_ps(unscale[0]), _mm256_set1_ps(unscale[1]));
         let low = _mm256_set1_epi8(15);
         let ones = _mm256_set1_epi16(1);
         let xp = xs.as_ptr();
         macro_rules! x4 {
             ($i:expr, $at:expr) => {
-                _mm256_set1_epi32(xp.add($i * width + $at).cast::<i32>().read_unaligned())
+                _mm256_set1_epi32(xp.add($at * R + 4 * $i).cast::<i32>().read_unaligned())
             };
         }
         let base = acc.as_mut_ptr();
@@ -1047,7 +1153,7 @@ mod x86 {
         };
         for s in 0..width / rc {
             let rec = w.as_ptr().add(s * rb);
-            let d = eight(rec.add(16 * half));
+            let d = _mm256_mul_ps(eight(rec.add(16 * half)), un0);
             for j in 0..rc / GROUP {
                 let g = s * (rc / GROUP) + j;
                 let nib = rec.add(HEADER + j * 256 + 32 * half);
@@ -1062,7 +1168,7 @@ mod x86 {
                     let a = match T {
                         Q4K | Q5K => _mm256_mul_ps(d, eight_bytes::<false>(scales)),
                         Q6K => _mm256_mul_ps(d, eight_bytes::<true>(scales.add(16 * sub))),
-                        _ => eight(rec.add(32 * j + 16 * half)),
+                        _ => _mm256_mul_ps(eight(rec.add(32 * j + 16 * half)), un0),
                     };
                     if T == Q6K {
                         h = _mm256_loadu_si256(hi.add((2 * j + sub) * 64).cast());
@@ -1070,9 +1176,7 @@ mod x86 {
                     let mut sums = [_mm256_setzero_si256(); R];
                     if T == Q6K {
                         for (i, si) in sums.iter_mut().enumerate() {
-                            *si = _mm256_set1_epi32(
-                                *start.get_unchecked(i * 2 * groups + 2 * g + sub),
-                            );
+                            *si = _mm256_set1_epi32(*start.get_unchecked((2 * g + sub) * R + i));
                         }
                     }
                     let pairs = 4 / subs;
@@ -1156,7 +1260,7 @@ mod x86 {
                         }
                     }
                     for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                        let s = _mm256_set1_ps(*sx.get_unchecked(i * groups + g));
+                        let s = _mm256_set1_ps(*sx.get_unchecked(g * R + i));
                         *ti = _mm256_add_ps(
                             *ti,
                             _mm256_mul_ps(_mm256_cvtepi32_ps(*si), _mm256_mul_ps(a, s)),
@@ -1164,11 +1268,11 @@ mod x86 {
                     }
                 }
                 if T == Q4K || T == Q5K {
-                    let dmin = eight(rec.add(32 + 16 * half));
+                    let dmin = _mm256_mul_ps(eight(rec.add(32 + 16 * half)), un1);
                     let mn = eight_bytes::<false>(scales.add(16));
                     let b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn));
                     for (i, ti) in total.iter_mut().enumerate() {
-                        let xs = _mm256_set1_ps(*xsum.get_unchecked(i * groups + g));
+                        let xs = _mm256_set1_ps(*xsum.get_unchecked(g * R + i));
                         *ti = _mm256_add_ps(*ti, _mm256_mul_ps(b, xs));
                     }
                 }
@@ -1206,6 +1310,41 @@ mod tests {
             }
         }
         raw
+    }
+
+    /// The blocks with every f16 scale divided by 2^12: about 2.4e-7 to 2.7e-6, f16 subnormals.
+    fn tiny(t: BlockType, mut raw: Vec<u8>) -> Vec<u8> {
+        let fields: &[usize] = match t {
+            BlockType::Q6K => &[208],
+            BlockType::Q8_0 => &[0],
+            _ => &[0, 2],
+        };
+        for b in raw.chunks_exact_mut(t.block_bytes()) {
+            for &at in fields {
+                let v = half_at(b, at).to_f32() / 4096.0;
+                b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+            }
+        }
+        raw
+    }
+
+    #[test]
+    fn headers_hold_no_subnormal_scales() {
+        for t in BlockType::ALL {
+            let raw = tiny(t, random_blocks(t, 16, 256, 8));
+            let m = matrix(&[(t, raw.clone(), 16)], 256);
+            let p = &m.parts[0];
+            assert!(p.unscale[0] < 1.0 / 4096.0, "{t:?}: no shift");
+            for h in p.packed[..HEADER].chunks(2) {
+                let v = f16::from_le_bytes([h[0], h[1]]);
+                assert!(v == f16::ZERO || v.is_normal(), "{t:?}: {v} in a header");
+            }
+            let un = unpack(t, &raw, 16, 256);
+            assert!(
+                un.d.iter().any(|v| *v != f16::ZERO && !v.is_normal()),
+                "{t:?}: the control has none"
+            );
+        }
     }
 
     /// The product from the decoded values, each sub-block's integer sum in i64, then the
@@ -1303,6 +1442,10 @@ mod tests {
             }
         }
         out.push((vec![(Q8_0, random_blocks(Q8_0, 7, 64, 3), 7)], 64));
+        // scales among f16's subnormals, as most of a real Q6_K tensor's are
+        for t in BlockType::ALL {
+            out.push((vec![(t, tiny(t, random_blocks(t, 16, 256, 31)), 16)], 256));
+        }
         // a fused q/k/v of a Q4_K_M file, and every type in one stack
         let cols = 512;
         out.push((
