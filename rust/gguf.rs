@@ -1,8 +1,8 @@
-//! Weight products in a GGUF file's own block types: Q4_K, Q5_K, Q6_K and Q8_0, each tensor
-//! kept at its own values and scales, so a pass reads what the file holds and no fewer bits.
+//! Weight products in a GGUF file's own block types, each tensor kept at its own values and
+//! scales, so a pass reads what the file holds and no fewer bits.
 //!
 //! Every type is read as unsigned values u of 4 to 8 bits with integer sub-block scales and f16
-//! super-block scales, the file's own numbers:
+//! scales, the file's own numbers:
 //!
 //! | type | bits | w | sub-block |
 //! |---|---|---|---|
@@ -10,34 +10,37 @@
 //! | Q5_K | 5.5 | as Q4_K, u in 0..32 | 32 |
 //! | Q6_K | 6.5625 | d·sc·(u - 32) (u in 0..64, sc an i8) | 16 |
 //! | Q8_0 | 8.5 | d·(u - 128) (u = q + 128) | 32 |
+//! | Q4_0, Q5_0 | 4.5, 5.5 | d·(u - 8), d·(u - 16) | 32 |
+//! | Q4_1, Q5_1 | 5, 6 | d·u + m | 32 |
 //!
 //! Activations are int8, quantized at every call with one scale sx per row and group of 32 (as
-//! in [`crate::int8`]). A sub-block's integer sum s = Σ u·xq + start (start = -32 Σ xq for Q6_K,
-//! -128 Σ xq for Q8_0) is exact, and then, in every code path alike, per sub-block in order,
-//! `acc += (s as f32) * (A * sx)` with A = d·sc (exact in f32: an f16 times a 6- or 8-bit
-//! integer), and for Q4_K/Q5_K per group `acc += B * (sx · Σ xq)` with B = -(dmin·mn). So a row
-//! of a pass depends only on its own input row, and the scalar, AVX2 and AVX-512 VNNI paths give
-//! the same bits.
+//! in [`crate::int8`]). A sub-block's integer sum s = Σ u·xq - offset · Σ xq (the offset above:
+//! 32 for Q6_K, 128 for Q8_0, 8 and 16 for Q4_0 and Q5_0) is exact, and then, in every code path
+//! alike, per sub-block in order, `acc += (s as f32) * (A * sx)` with A = d·sc (exact in f32: an
+//! f16 times a 6- or 8-bit integer) or d, and for the types with a minimum per group
+//! `acc += B * (sx · Σ xq)` with B = -(dmin·mn) or m. So a row of a pass depends only on its own
+//! input row, and the scalar, AVX2 and AVX-512 VNNI paths give the same bits.
 //!
 //! A matrix is a stack of parts by rows, each of one type (a fused q/k/v matrix of a Q4_K_M file
-//! holds Q4_K and Q6_K tensors); a part but the last holds whole blocks of 16 rows.
+//! holds Q4_K and Q6_K tensors, or Q5_0 and Q8_0); a part but the last holds whole blocks of 16
+//! rows.
 //!
 //! Packed layout, per part: blocks of 16 output rows; a block is a run of records over the
-//! input features, 256 of them for the K types, 64 for Q8_0, each a whole number of 64-byte
-//! lines:
-//! - a 64-byte header: d and dmin of the 16 rows (f16; Q6_K's dmin unused), for Q8_0 the d of
-//!   each of the record's two groups;
+//! input features, 256 of them for the K types, 64 (two groups) for the others, each a whole
+//! number of 64-byte lines:
+//! - a header of the 16 rows' f16 scales: d and dmin (K types; Q6_K's dmin unused), or each
+//!   group's d (and m: a 128-byte header), each times 2^S (see `normal_shift`);
 //! - the low nibbles, per group of 32 features 4 pairs of runs of 4 features, 64 bytes a pair:
 //!   byte i holds row i / 4, feature i % 4 of the first run in its low nibble and of the second
 //!   in its high one (as [`crate::q4`]);
-//! - the high bits, in the same byte positions: Q5_K 64 bytes a group (bit j: run j's bit 4),
-//!   Q6_K 64 bytes a sub-block of 16 (bits 2j and 2j+1: run j's bits 4 and 5), Q8_0 a second
-//!   nibble plane (bits 4..8);
+//! - the high bits, in the same byte positions: five-bit types 64 bytes a group (bit j: run j's
+//!   bit 4), Q6_K 64 bytes a sub-block of 16 (bits 2j and 2j+1: run j's bits 4 and 5), Q8_0 a
+//!   second nibble plane (bits 4..8);
 //! - Q4_K/Q5_K: per group, sc then mn of the 16 rows (u8); Q6_K: per group, each sub-block's sc
 //!   of the 16 rows (i8).
 //!
-//! Record sizes give 4.625, 5.625, 6.625 and 8.5 bits a weight: the file's own bits, plus a
-//! 1/32 for a row's K scales' f16 headers padded to a line.
+//! Record sizes give each type's own bits a weight, plus 1/32 for Q4_K/Q5_K (their f16 headers
+//! padded to a line) and 1/16 for Q6_K.
 
 use half::f16;
 
@@ -70,15 +73,27 @@ pub enum BlockType {
     Q6K,
     /// 32 values: d (f16) and 32 i8.
     Q8_0,
+    /// 32 values: d and 4-bit values, w = d·(u - 8).
+    Q4_0,
+    /// 32 values: d, m and 4-bit values, w = d·u + m.
+    Q4_1,
+    /// 32 values: d and 5-bit values, w = d·(u - 16).
+    Q5_0,
+    /// 32 values: d, m and 5-bit values, w = d·u + m.
+    Q5_1,
 }
 
 impl BlockType {
-    /// Every type, in the order `name` lists them.
-    pub const ALL: [BlockType; 4] = [
+    /// Every type, in the order of their ids.
+    pub const ALL: [BlockType; 8] = [
         BlockType::Q4K,
         BlockType::Q5K,
         BlockType::Q6K,
         BlockType::Q8_0,
+        BlockType::Q4_0,
+        BlockType::Q4_1,
+        BlockType::Q5_0,
+        BlockType::Q5_1,
     ];
 
     /// ggml's name of the type.
@@ -88,6 +103,10 @@ impl BlockType {
             BlockType::Q5K => "Q5_K",
             BlockType::Q6K => "Q6_K",
             BlockType::Q8_0 => "Q8_0",
+            BlockType::Q4_0 => "Q4_0",
+            BlockType::Q4_1 => "Q4_1",
+            BlockType::Q5_0 => "Q5_0",
+            BlockType::Q5_1 => "Q5_1",
         }
     }
 
@@ -107,7 +126,7 @@ impl BlockType {
 
     /// Values a ggml block holds.
     pub fn block_values(self) -> usize {
-        if self == BlockType::Q8_0 {
+        if small(self.id()) {
             32
         } else {
             256
@@ -121,29 +140,21 @@ impl BlockType {
             BlockType::Q5K => 176,
             BlockType::Q6K => 210,
             BlockType::Q8_0 => 34,
+            BlockType::Q4_0 => 18,
+            BlockType::Q4_1 => 20,
+            BlockType::Q5_0 => 22,
+            BlockType::Q5_1 => 24,
         }
     }
 
     /// Input features a packed record covers.
     fn record_cols(self) -> usize {
-        if self == BlockType::Q8_0 {
-            64
-        } else {
-            256
-        }
+        record_cols(self.id())
     }
 
     /// Bytes of a packed record (16 rows × record_cols).
     fn record_bytes(self) -> usize {
-        let groups = self.record_cols() / GROUP;
-        HEADER
-            + groups
-                * match self {
-                    BlockType::Q4K => 256 + 32,
-                    BlockType::Q5K => 256 + 64 + 32,
-                    BlockType::Q6K => 256 + 128 + 32,
-                    BlockType::Q8_0 => 256 + 256,
-                }
+        record_bytes(self.id())
     }
 
     /// The kernels' const parameter for the type.
@@ -156,18 +167,86 @@ const Q4K: u8 = BlockType::Q4K as u8;
 const Q5K: u8 = BlockType::Q5K as u8;
 const Q6K: u8 = BlockType::Q6K as u8;
 const Q8_0: u8 = BlockType::Q8_0 as u8;
+const Q4_0: u8 = BlockType::Q4_0 as u8;
+const Q4_1: u8 = BlockType::Q4_1 as u8;
+const Q5_0: u8 = BlockType::Q5_0 as u8;
+const Q5_1: u8 = BlockType::Q5_1 as u8;
 
+// What each type id `t` is made of, for the packing and the kernels (all const, so each
+// kernel, built once a type, branches on none of it).
+
+/// A type of 32-value blocks (a record holds two groups, each with its own header values).
+const fn small(t: u8) -> bool {
+    t >= Q8_0
+}
+/// Types with a minimum term: w = A·u + B (B = -dmin·mn, or m).
+const fn has_min(t: u8) -> bool {
+    matches!(t, Q4K | Q5K | Q4_1 | Q5_1)
+}
+/// Types whose values have a fifth bit (a bit plane, 64 bytes a group).
+const fn five_bits(t: u8) -> bool {
+    matches!(t, Q5K | Q5_0 | Q5_1)
+}
+/// What a type's values are offset by: w = A·(u - offset); its integer sums start at
+/// -offset · Σ xq (Q6_K's per 16).
+const fn offset(t: u8) -> i32 {
+    match t {
+        Q4_0 => 8,
+        Q5_0 => 16,
+        Q6K => 32,
+        Q8_0 => 128,
+        _ => 0,
+    }
+}
+const fn record_cols(t: u8) -> usize {
+    if small(t) {
+        64
+    } else {
+        256
+    }
+}
+/// Header bytes: d and dmin of the 16 rows (K types), or each group's d (and m).
+const fn header_bytes(t: u8) -> usize {
+    if matches!(t, Q4_1 | Q5_1) {
+        2 * HEADER
+    } else {
+        HEADER
+    }
+}
 /// Where the parts of a record start, for type id `t` (offsets from the record's start).
 const fn high_at(t: u8) -> usize {
-    HEADER + if t == Q8_0 { 2 * 256 } else { 8 * 256 }
+    header_bytes(t) + record_cols(t) / 32 * 256
 }
 const fn scales_at(t: u8) -> usize {
     high_at(t)
         + match t {
-            Q5K => 8 * 64,
             Q6K => 16 * 64,
+            Q8_0 => 2 * 256,
+            _ if five_bits(t) => record_cols(t) / 32 * 64,
             _ => 0,
         }
+}
+const fn record_bytes(t: u8) -> usize {
+    scales_at(t)
+        + match t {
+            Q4K | Q5K | Q6K => 8 * 32,
+            _ => 0,
+        }
+}
+/// Header slot of group j's (or the K types') d, and of its dmin or m.
+const fn d_at(t: u8, j: usize) -> usize {
+    if small(t) {
+        32 * j
+    } else {
+        0
+    }
+}
+const fn min_at(t: u8, j: usize) -> usize {
+    if small(t) {
+        HEADER + 32 * j
+    } else {
+        32
+    }
 }
 
 /// A part's values as read from its blocks: u (rows, cols), per row and sub-block sc (and mn for
@@ -248,6 +327,28 @@ fn decode(t: BlockType, b: &[u8], u: &mut [u8], sc: &mut [i16], mn: &mut [u8]) -
             }
             (half_at(b, 0), f16::ZERO)
         }
+        BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q5_1 => {
+            // d (and m), then for Q5 32 high bits, then 16 bytes: value j in byte j's low
+            // nibble, value j + 16 in its high one
+            let with_min = matches!(t, BlockType::Q4_1 | BlockType::Q5_1);
+            let at = if with_min { 4 } else { 2 };
+            let (qh, qs) = if five_bits(t.id()) {
+                let h = &b[at..at + 4];
+                (
+                    u32::from_le_bytes([h[0], h[1], h[2], h[3]]),
+                    &b[at + 4..at + 20],
+                )
+            } else {
+                (0, &b[at..at + 16])
+            };
+            for j in 0..16 {
+                let top = |k: usize| (((qh >> k) & 1) as u8) << 4;
+                u[j] = (qs[j] & 0xF) | top(j);
+                u[j + 16] = (qs[j] >> 4) | top(j + 16);
+            }
+            let m = if with_min { half_at(b, 2) } else { f16::ZERO };
+            (half_at(b, 0), m)
+        }
     }
 }
 
@@ -255,8 +356,8 @@ fn decode(t: BlockType, b: &[u8], u: &mut [u8], sc: &mut [i16], mn: &mut [u8]) -
 fn subs_per_block(t: BlockType) -> usize {
     match t {
         BlockType::Q6K => 16,
-        BlockType::Q8_0 => 1,
-        _ => 8,
+        BlockType::Q4K | BlockType::Q5K => 8,
+        _ => 1,
     }
 }
 
@@ -321,28 +422,28 @@ impl Part {
         let per_row = cols / t.block_values();
         let subs = subs_per_block(t);
         let sub_len = t.block_values() / subs;
+        let id = t.id();
         let s0 = normal_shift(&un.d);
-        let s1 = if t == BlockType::Q8_0 {
-            s0
-        } else {
+        let s1 = if has_min(id) {
             normal_shift(&un.dmin)
+        } else {
+            s0
         };
         for o in 0..rows {
             let (b, lane) = (o / BLOCK, o % BLOCK);
             for s in 0..records {
                 let rec = &mut packed[(b * records + s) * rb..(b * records + s + 1) * rb];
                 let k0 = s * rc;
-                // header
-                if t == BlockType::Q8_0 {
-                    for j in 0..2 {
-                        let d = shifted(un.d[o * per_row + k0 / 32 + j], s0).to_le_bytes();
-                        rec[32 * j + 2 * lane..32 * j + 2 * lane + 2].copy_from_slice(&d);
+                // header: each group's d (and m), or the block's d and dmin
+                for j in 0..rc / t.block_values() {
+                    let at = o * per_row + k0 / t.block_values() + j;
+                    let d = shifted(un.d[at], s0).to_le_bytes();
+                    rec[d_at(id, j) + 2 * lane..d_at(id, j) + 2 * lane + 2].copy_from_slice(&d);
+                    if has_min(id) {
+                        let m = shifted(un.dmin[at], s1).to_le_bytes();
+                        let at = min_at(id, j) + 2 * lane;
+                        rec[at..at + 2].copy_from_slice(&m);
                     }
-                } else {
-                    let at = o * per_row + s;
-                    let (d, dmin) = (shifted(un.d[at], s0), shifted(un.dmin[at], s1));
-                    rec[2 * lane..2 * lane + 2].copy_from_slice(&d.to_le_bytes());
-                    rec[32 + 2 * lane..34 + 2 * lane].copy_from_slice(&dmin.to_le_bytes());
                 }
                 for k in 0..rc {
                     let u = un.u[o * cols + k0 + k];
@@ -350,18 +451,16 @@ impl Part {
                     let (run, f) = (in_group / 4, in_group % 4);
                     let pos = lane * 4 + f;
                     let pair = g * 4 + run / 2;
-                    rec[HEADER + pair * 64 + pos] |= (u & 15) << (4 * (run % 2));
-                    let high = high_at(t.id());
-                    match t {
-                        BlockType::Q5K => rec[high + g * 64 + pos] |= (u >> 4) << run,
-                        BlockType::Q6K => {
+                    rec[header_bytes(id) + pair * 64 + pos] |= (u & 15) << (4 * (run % 2));
+                    let high = high_at(id);
+                    match id {
+                        Q6K => {
                             let (sub, r) = (in_group / 16, run % 4);
                             rec[high + (2 * g + sub) * 64 + pos] |= (u >> 4) << (2 * r);
                         }
-                        BlockType::Q8_0 => {
-                            rec[high + pair * 64 + pos] |= (u >> 4) << (4 * (run % 2));
-                        }
-                        BlockType::Q4K => {}
+                        Q8_0 => rec[high + pair * 64 + pos] |= (u >> 4) << (4 * (run % 2)),
+                        _ if five_bits(id) => rec[high + g * 64 + pos] |= (u >> 4) << run,
+                        _ => {}
                     }
                 }
                 let scales = scales_at(t.id());
@@ -376,7 +475,7 @@ impl Part {
                             rec[scales + g * 32 + lane] = un.sc[at] as i8 as u8;
                             rec[scales + g * 32 + 16 + lane] = un.sc[at + 1] as i8 as u8;
                         }
-                        BlockType::Q8_0 => {}
+                        _ => {}
                     }
                 }
             }
@@ -462,7 +561,7 @@ impl GgufMatrix {
     fn first_bad_scale(&self) -> Option<f32> {
         for p in &self.parts {
             for rec in p.packed.chunks(p.kind.record_bytes()) {
-                for h in rec[..HEADER].chunks(2) {
+                for h in rec[..header_bytes(p.kind.id())].chunks(2) {
                     let v = f16::from_le_bytes([h[0], h[1]]).to_f32();
                     if !v.is_finite() {
                         return Some(v);
@@ -515,17 +614,15 @@ impl GgufMatrix {
         let (lane, k) = (o % BLOCK, k % p.kind.record_cols());
         let u = f32::from(value(rec, t, lane, k));
         let (g, un) = (k / GROUP, p.unscale);
+        let d = d_of(rec, t, g, lane, un);
         match t {
             Q4K | Q5K => {
-                let (d, dmin) = (header(rec, 0, lane, un), header(rec, 1, lane, un));
                 let (sc, mn) = (sub_scale(rec, t, g, 0, lane), sub_scale(rec, t, g, 1, lane));
-                (d * sc) * u - dmin * mn
+                (d * sc) * u - min_of(rec, t, g, lane, un) * mn
             }
-            Q6K => {
-                let sc = sub_scale(rec, t, g, (k % GROUP) / 16, lane);
-                (header(rec, 0, lane, un) * sc) * (u - 32.0)
-            }
-            _ => header(rec, g, lane, un) * (u - 128.0),
+            Q6K => (d * sub_scale(rec, t, g, (k % GROUP) / 16, lane)) * (u - 32.0),
+            Q4_1 | Q5_1 => d * u + min_of(rec, t, g, lane, un),
+            _ => d * (u - offset(t) as f32),
         }
     }
 
@@ -596,9 +693,9 @@ impl GgufMatrix {
                 .xsum
                 .get(r0 * groups..(r0 + m) * groups)
                 .unwrap_or(&[]),
-            start: match p.kind {
-                BlockType::Q6K => &woven.start16[r0 * 2 * groups..(r0 + m) * 2 * groups],
-                BlockType::Q8_0 => &woven.start32[r0 * groups..(r0 + m) * groups],
+            start: match p.kind.id() {
+                Q6K => &woven.start16[r0 * 2 * groups..(r0 + m) * 2 * groups],
+                t if small(t) && offset(t) > 0 => &woven.start32[r0 * groups..(r0 + m) * groups],
                 _ => &[],
             },
             width: self.cols,
@@ -612,6 +709,10 @@ impl GgufMatrix {
                     BlockType::Q5K => $run!(Q5K),
                     BlockType::Q6K => $run!(Q6K),
                     BlockType::Q8_0 => $run!(Q8_0),
+                    BlockType::Q4_0 => $run!(Q4_0),
+                    BlockType::Q4_1 => $run!(Q4_1),
+                    BlockType::Q5_0 => $run!(Q5_0),
+                    BlockType::Q5_1 => $run!(Q5_1),
                 }
             };
         }
@@ -676,7 +777,8 @@ impl Product for GgufMatrix {
 /// (`chunks(n, most)`) woven together: for a chunk of m rows, the int8 values as [width / 4][m][4]
 /// (a run of 4 features of every row side by side, so a kernel reaches row i's at a constant
 /// offset from one pointer, not through a register a row), and per row sx, sx · Σ xq
-/// (Q4_K/Q5_K's minimum term), -32 Σ xq per 16 (Q6_K's start) and -128 Σ xq per group
+/// (the minimum term's), -32 Σ xq per 16 (Q6_K's start) and -Σ xq per group (times the offset:
+/// Q4_0's, Q5_0's and Q8_0's start)
 /// (Q8_0's) as [sub-blocks][m]; each of the last three empty where no part needs it.
 struct Woven {
     xs: Vec<i8>,
@@ -710,7 +812,7 @@ impl Woven {
             start32: vec![],
         };
         let sx = per_row(&|r, g| acts.scales[r * groups + g]);
-        let xsum = if has(BlockType::Q4K) || has(BlockType::Q5K) {
+        let xsum = if parts.iter().any(|p| has_min(p.kind.id())) {
             per_row(&|r, g| acts.scales[r * groups + g] * sums[r * groups + g] as f32)
         } else {
             vec![]
@@ -721,7 +823,10 @@ impl Woven {
         if has(BlockType::Q6K) {
             w.start16 = vec![0; 2 * n * groups];
         }
-        if has(BlockType::Q8_0) {
+        if parts
+            .iter()
+            .any(|p| small(p.kind.id()) && offset(p.kind.id()) > 0)
+        {
             w.start32 = vec![0; n * groups];
         }
         let mut r0 = 0;
@@ -739,7 +844,7 @@ impl Woven {
                         w.xsum[to] = xsum[r * groups + g];
                     }
                     if !w.start32.is_empty() {
-                        w.start32[to] = -128 * sums[r * groups + g];
+                        w.start32[to] = -sums[r * groups + g];
                     }
                 }
                 for j in 0..2 * groups {
@@ -815,9 +920,14 @@ struct Rows<'a> {
     unscale: [f32; 2],
 }
 
-/// Header value `j` (0: d, 1: dmin; Q8_0: group j's d) of a record's row `lane`, as f32.
-fn header(rec: &[u8], j: usize, lane: usize, unscale: [f32; 2]) -> f32 {
-    half_at(rec, 32 * j + 2 * lane).to_f32() * unscale[j.min(1)]
+/// Row `lane`'s d in a record (a small type's: group j's), as f32.
+fn d_of(rec: &[u8], t: u8, j: usize, lane: usize, unscale: [f32; 2]) -> f32 {
+    half_at(rec, d_at(t, j) + 2 * lane).to_f32() * unscale[0]
+}
+
+/// The same for group j's dmin (K types) or m (Q4_1, Q5_1).
+fn min_of(rec: &[u8], t: u8, j: usize, lane: usize, unscale: [f32; 2]) -> f32 {
+    half_at(rec, min_at(t, j) + 2 * lane).to_f32() * unscale[1]
 }
 
 /// Group g's sub-scale j of row `lane` (K types: j 0 is sc, 1 is mn; Q6_K: sub-block j's sc).
@@ -835,12 +945,12 @@ fn value(rec: &[u8], t: u8, lane: usize, k: usize) -> u8 {
     let (g, in_group) = (k / GROUP, k % GROUP);
     let (run, pos) = (in_group / 4, lane * 4 + in_group % 4);
     let pair = g * 4 + run / 2;
-    let low = (rec[HEADER + pair * 64 + pos] >> (4 * (run % 2))) & 15;
+    let low = (rec[header_bytes(t) + pair * 64 + pos] >> (4 * (run % 2))) & 15;
     let high = high_at(t);
     let top = match t {
-        Q5K => (rec[high + g * 64 + pos] >> run) & 1,
         Q6K => (rec[high + (2 * g + in_group / 16) * 64 + pos] >> (2 * (run % 4))) & 3,
         Q8_0 => (rec[high + pair * 64 + pos] >> (4 * (run % 2))) & 15,
+        _ if five_bits(t) => (rec[high + g * 64 + pos] >> run) & 1,
         _ => 0,
     };
     low | (top << 4)
@@ -869,25 +979,34 @@ fn dot_scalar(w: &[u8], t: u8, rows: &Rows<'_>, m: usize, acc: &mut [f32]) {
                             * i32::from(rows.xs[woven_at(g * GROUP + k, i, m)])
                     })
                 };
-                match t {
-                    Q4K | Q5K => {
-                        let a = header(rec, 0, lane, un) * sub_scale(rec, t, j, 0, lane);
-                        total += (dot(0, 32, 0) as f32) * (a * sx);
-                        let b = 0.0 - header(rec, 1, lane, un) * sub_scale(rec, t, j, 1, lane);
-                        total += b * rows.xsum[g * m + i];
+                let d = d_of(rec, t, j, lane, un);
+                if t == Q6K {
+                    for sub in 0..2 {
+                        let a = d * sub_scale(rec, t, j, sub, lane);
+                        let start = rows.start[(2 * g + sub) * m + i];
+                        total += (dot(16 * sub, 16 * sub + 16, start) as f32) * (a * sx);
                     }
-                    Q6K => {
-                        for sub in 0..2 {
-                            let a = header(rec, 0, lane, un) * sub_scale(rec, t, j, sub, lane);
-                            let start = rows.start[(2 * g + sub) * m + i];
-                            total += (dot(16 * sub, 16 * sub + 16, start) as f32) * (a * sx);
-                        }
-                    }
-                    _ => {
-                        let a = header(rec, j, lane, un);
-                        let start = rows.start[g * m + i];
-                        total += (dot(0, 32, start) as f32) * (a * sx);
-                    }
+                    continue;
+                }
+                let k_type = matches!(t, Q4K | Q5K);
+                let a = if k_type {
+                    d * sub_scale(rec, t, j, 0, lane)
+                } else {
+                    d
+                };
+                let start = if offset(t) > 0 {
+                    offset(t) * rows.start[g * m + i]
+                } else {
+                    0
+                };
+                total += (dot(0, 32, start) as f32) * (a * sx);
+                if has_min(t) {
+                    let b = if k_type {
+                        0.0 - min_of(rec, t, j, lane, un) * sub_scale(rec, t, j, 1, lane)
+                    } else {
+                        min_of(rec, t, j, lane, un)
+                    };
+                    total += b * rows.xsum[g * m + i];
                 }
             }
             acc[i * BLOCK + lane] = total;
@@ -900,12 +1019,15 @@ fn dot_scalar(w: &[u8], t: u8, rows: &Rows<'_>, m: usize, acc: &mut [f32]) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{high_at, scales_at, BlockType, Rows, BLOCK, GROUP, HEADER, Q4K, Q5K, Q6K, Q8_0};
+    use super::{
+        d_at, five_bits, has_min, header_bytes, high_at, min_at, offset, record_bytes, record_cols,
+        scales_at, Rows, BLOCK, GROUP, Q4K, Q5K, Q6K, Q8_0,
+    };
 
     /// AVX-512 VNNI, 16 output rows a zmm: per pair of runs the 64 nibble bytes (and the high
     /// bits) become two zmm of u8 values, each meeting a row's 4 activations, broadcast, in one
     /// vpdpbusd into i32. The high bits are shifted into bit 4 (5) by the pair's place, so one
-    /// code serves every pair.
+    /// code serves every pair. Everything that depends on the type is a constant of `T`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
     #[allow(clippy::too_many_lines)]
     pub unsafe fn dot_vnni<const R: usize, const T: u8>(
@@ -921,15 +1043,45 @@ mod x86 {
             width,
             unscale,
         } = *rows;
-        let bt = BlockType::ALL[T as usize];
-        let (rc, rb) = (bt.record_cols(), bt.record_bytes());
+        let (rc, rb) = (record_cols(T), record_bytes(T));
+        let k_type = matches!(T, Q4K | Q5K);
         let (un0, un1) = (_mm512_set1_ps(unscale[0]), _mm512_set1_ps(unscale[1]));
         let low = _mm512_set1_epi8(15);
+        let half = |p: *const u8, un: __m512| {
+            _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(p.cast())), un)
+        };
         let xp = xs.as_ptr();
         macro_rules! x4 {
             ($i:expr, $at:expr) => {
                 _mm512_set1_epi32(xp.add($at * R + 4 * $i).cast::<i32>().read_unaligned())
             };
+        }
+        // Two runs of a pair, as u8 values: (w0, w1), the high bits taken from `h` (five-bit
+        // types: shifted on by 2 for the next pair; Q6_K: by 4) or Q8_0's pair `hv`.
+        macro_rules! unpack {
+            ($v:expr, $h:expr, $hv:expr) => {{
+                let w0 = _mm512_and_si512($v, low);
+                let w1 = _mm512_and_si512(_mm512_srli_epi16($v, 4), low);
+                if five_bits(T) {
+                    let bit = _mm512_set1_epi8(0x10);
+                    let w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16($h, 4), bit));
+                    let w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_slli_epi16($h, 3), bit));
+                    $h = _mm512_srli_epi16($h, 2);
+                    (w0, w1)
+                } else if T == Q6K {
+                    let bits = _mm512_set1_epi8(0x30);
+                    let w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16($h, 4), bits));
+                    let w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_slli_epi16($h, 2), bits));
+                    $h = _mm512_srli_epi16($h, 4);
+                    (w0, w1)
+                } else if T == Q8_0 {
+                    let top = _mm512_set1_epi8(-16); // 0xF0
+                    let w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16($hv, 4), top));
+                    (w0, _mm512_or_si512(w1, _mm512_and_si512($hv, top)))
+                } else {
+                    (w0, w1)
+                }
+            }};
         }
         let mut total = [_mm512_setzero_ps(); R];
         for s in 0..width / rc {
@@ -939,148 +1091,82 @@ mod x86 {
             if R <= 2 {
                 _mm_prefetch::<_MM_HINT_T1>(rec.wrapping_add(rb + 4096).cast());
             }
-            let d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(rec.cast())), un0);
             for j in 0..rc / GROUP {
                 let g = s * (rc / GROUP) + j;
-                let nib = rec.add(HEADER + j * 256);
+                let nib = rec.add(header_bytes(T) + j * 256);
                 let scales = rec.add(scales_at(T) + j * 32);
                 let hi = rec.add(high_at(T));
-                match T {
-                    Q4K | Q5K => {
-                        let dmin = _mm512_mul_ps(
-                            _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(32).cast())),
-                            un1,
-                        );
-                        let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            scales.cast(),
-                        )));
-                        let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            scales.add(16).cast(),
-                        )));
-                        let a = _mm512_mul_ps(d, sc);
-                        let b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn));
-                        let mut sums = [_mm512_setzero_si512(); R];
-                        let mut h = if T == Q5K {
-                            _mm512_loadu_si512(hi.add(j * 64).cast())
+                let d = half(rec.add(d_at(T, j)), un0);
+                // Q6_K: two sub-blocks of 16 (2 pairs each); the others one of 32 (4 pairs)
+                let subs = if T == Q6K { 2 } else { 1 };
+                let mut h = match T {
+                    Q6K => _mm512_setzero_si512(),
+                    _ if five_bits(T) => _mm512_loadu_si512(hi.add(j * 64).cast()),
+                    _ => _mm512_setzero_si512(),
+                };
+                for sub in 0..subs {
+                    let a = match T {
+                        Q6K => _mm512_mul_ps(
+                            d,
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                scales.add(16 * sub).cast(),
+                            ))),
+                        ),
+                        _ if k_type => _mm512_mul_ps(
+                            d,
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                scales.cast(),
+                            ))),
+                        ),
+                        _ => d,
+                    };
+                    let mut sums = [_mm512_setzero_si512(); R];
+                    if T == Q6K {
+                        h = _mm512_loadu_si512(hi.add((2 * j + sub) * 64).cast());
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            *si = _mm512_set1_epi32(*start.get_unchecked((2 * g + sub) * R + i));
+                        }
+                    } else if offset(T) > 0 {
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            *si = _mm512_set1_epi32(offset(T) * *start.get_unchecked(g * R + i));
+                        }
+                    }
+                    for p in sub * 4 / subs..(sub + 1) * 4 / subs {
+                        if R > 2 {
+                            _mm_prefetch::<_MM_HINT_T0>(nib.wrapping_add(p * 64 + 2048).cast());
+                        }
+                        let v = _mm512_loadu_si512(nib.add(p * 64).cast());
+                        let hv = if T == Q8_0 {
+                            _mm512_loadu_si512(hi.add((j * 4 + p) * 64).cast())
                         } else {
                             _mm512_setzero_si512()
                         };
-                        let bit = _mm512_set1_epi8(0x10);
-                        for p in 0..4 {
-                            if R > 2 {
-                                _mm_prefetch::<_MM_HINT_T0>(nib.wrapping_add(p * 64 + 2048).cast());
-                            }
-                            let v = _mm512_loadu_si512(nib.add(p * 64).cast());
-                            let mut w0 = _mm512_and_si512(v, low);
-                            let mut w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                            if T == Q5K {
-                                w0 = _mm512_or_si512(
-                                    w0,
-                                    _mm512_and_si512(_mm512_slli_epi16(h, 4), bit),
-                                );
-                                w1 = _mm512_or_si512(
-                                    w1,
-                                    _mm512_and_si512(_mm512_slli_epi16(h, 3), bit),
-                                );
-                                h = _mm512_srli_epi16(h, 2);
-                            }
-                            let at = g * GROUP + p * 8;
-                            for (i, si) in sums.iter_mut().enumerate() {
-                                *si = _mm512_dpbusd_epi32(*si, w0, x4!(i, at));
-                                *si = _mm512_dpbusd_epi32(*si, w1, x4!(i, at + 4));
-                            }
-                        }
-                        for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                            let s = _mm512_set1_ps(*sx.get_unchecked(g * R + i));
-                            let t = _mm512_add_ps(
-                                *ti,
-                                _mm512_mul_ps(_mm512_cvtepi32_ps(*si), _mm512_mul_ps(a, s)),
-                            );
-                            let xsum = _mm512_set1_ps(*xsum.get_unchecked(g * R + i));
-                            *ti = _mm512_add_ps(t, _mm512_mul_ps(b, xsum));
-                        }
-                    }
-                    Q6K => {
-                        let bits = _mm512_set1_epi8(0x30);
-                        for sub in 0..2 {
-                            let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                scales.add(16 * sub).cast(),
-                            )));
-                            let a = _mm512_mul_ps(d, sc);
-                            let mut c = _mm512_loadu_si512(hi.add((2 * j + sub) * 64).cast());
-                            let mut sums = [_mm512_setzero_si512(); R];
-                            for (i, si) in sums.iter_mut().enumerate() {
-                                *si =
-                                    _mm512_set1_epi32(*start.get_unchecked((2 * g + sub) * R + i));
-                            }
-                            for p in 2 * sub..2 * sub + 2 {
-                                if R > 2 {
-                                    _mm_prefetch::<_MM_HINT_T0>(
-                                        nib.wrapping_add(p * 64 + 2048).cast(),
-                                    );
-                                }
-                                let v = _mm512_loadu_si512(nib.add(p * 64).cast());
-                                let w0 = _mm512_or_si512(
-                                    _mm512_and_si512(v, low),
-                                    _mm512_and_si512(_mm512_slli_epi16(c, 4), bits),
-                                );
-                                let w1 = _mm512_or_si512(
-                                    _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-                                    _mm512_and_si512(_mm512_slli_epi16(c, 2), bits),
-                                );
-                                c = _mm512_srli_epi16(c, 4);
-                                let at = g * GROUP + p * 8;
-                                for (i, si) in sums.iter_mut().enumerate() {
-                                    *si = _mm512_dpbusd_epi32(*si, w0, x4!(i, at));
-                                    *si = _mm512_dpbusd_epi32(*si, w1, x4!(i, at + 4));
-                                }
-                            }
-                            for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                                let s = _mm512_set1_ps(*sx.get_unchecked(g * R + i));
-                                *ti = _mm512_add_ps(
-                                    *ti,
-                                    _mm512_mul_ps(_mm512_cvtepi32_ps(*si), _mm512_mul_ps(a, s)),
-                                );
-                            }
-                        }
-                    }
-                    _ => {
-                        let a = _mm512_mul_ps(
-                            _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(32 * j).cast())),
-                            un0,
-                        );
-                        let mut sums = [_mm512_setzero_si512(); R];
+                        let (w0, w1) = unpack!(v, h, hv);
+                        let at = g * GROUP + p * 8;
                         for (i, si) in sums.iter_mut().enumerate() {
-                            *si = _mm512_set1_epi32(*start.get_unchecked(g * R + i));
+                            *si = _mm512_dpbusd_epi32(*si, w0, x4!(i, at));
+                            *si = _mm512_dpbusd_epi32(*si, w1, x4!(i, at + 4));
                         }
-                        let top = _mm512_set1_epi8(-16); // 0xF0
-                        for p in 0..4 {
-                            if R > 2 {
-                                _mm_prefetch::<_MM_HINT_T0>(nib.wrapping_add(p * 64 + 2048).cast());
-                            }
-                            let v = _mm512_loadu_si512(nib.add(p * 64).cast());
-                            let hv = _mm512_loadu_si512(hi.add((j * 4 + p) * 64).cast());
-                            let w0 = _mm512_or_si512(
-                                _mm512_and_si512(v, low),
-                                _mm512_and_si512(_mm512_slli_epi16(hv, 4), top),
-                            );
-                            let w1 = _mm512_or_si512(
-                                _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-                                _mm512_and_si512(hv, top),
-                            );
-                            let at = g * GROUP + p * 8;
-                            for (i, si) in sums.iter_mut().enumerate() {
-                                *si = _mm512_dpbusd_epi32(*si, w0, x4!(i, at));
-                                *si = _mm512_dpbusd_epi32(*si, w1, x4!(i, at + 4));
-                            }
-                        }
-                        for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                            let s = _mm512_set1_ps(*sx.get_unchecked(g * R + i));
-                            *ti = _mm512_add_ps(
-                                *ti,
-                                _mm512_mul_ps(_mm512_cvtepi32_ps(*si), _mm512_mul_ps(a, s)),
-                            );
-                        }
+                    }
+                    for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                        let s = _mm512_set1_ps(*sx.get_unchecked(g * R + i));
+                        let exact = _mm512_cvtepi32_ps(*si);
+                        *ti = _mm512_add_ps(*ti, _mm512_mul_ps(exact, _mm512_mul_ps(a, s)));
+                    }
+                }
+                if has_min(T) {
+                    let b = if k_type {
+                        let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            scales.add(16).cast(),
+                        )));
+                        let dmin = half(rec.add(min_at(T, j)), un1);
+                        _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn))
+                    } else {
+                        half(rec.add(min_at(T, j)), un1)
+                    };
+                    for (i, ti) in total.iter_mut().enumerate() {
+                        let xs = _mm512_set1_ps(*xsum.get_unchecked(g * R + i));
+                        *ti = _mm512_add_ps(*ti, _mm512_mul_ps(b, xs));
                     }
                 }
             }
@@ -1090,31 +1176,12 @@ mod x86 {
         }
     }
 
-    /// Eight f16 values at p, as f32.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn eight(p: *const u8) -> __m256 {
-        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
-    }
-
-    /// Eight bytes at p as f32, unsigned (`SIGNED` false) or signed.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn eight_bytes<const SIGNED: bool>(p: *const u8) -> __m256 {
-        let v = _mm_loadl_epi64(p.cast());
-        _mm256_cvtepi32_ps(if SIGNED {
-            _mm256_cvtepi8_epi32(v)
-        } else {
-            _mm256_cvtepu8_epi32(v)
-        })
-    }
-
     /// AVX2, half a block (8 output rows) a ymm, for R ≤ 4 rows. vpmaddubsw (u8 × s8) sums a
     /// run's products in i16 pairs, as many runs as cannot overflow (2 · 127 · the largest
-    /// value: Q4_K 8 runs, Q5_K 4, Q6_K 2), then vpmaddwd widens them to i32. Q8_0's values
-    /// reach 255, too many for an i16 pair: its runs are multiplied signed, |w| × sign(x, w)
-    /// (w = u - 128, at most 128 · 127 · 2 < 2^15), each run widened at once. The same
-    /// integers as the other kernels, so the same bits.
+    /// value: 4-bit types 8 runs, 5-bit 4, Q6_K 2), then vpmaddwd widens them to i32. Q8_0's
+    /// values reach 255, too many for an i16 pair: its runs are multiplied signed,
+    /// |w| × sign(x, w) (w = u - 128, at most 128 · 127 · 2 < 2^15), each run widened at once,
+    /// and its sums start at 0. The same integers as the other kernels, so the same bits.
     #[target_feature(enable = "avx2,f16c")]
     #[allow(clippy::too_many_lines)]
     pub unsafe fn dot_half<const R: usize, const T: u8>(
@@ -1131,11 +1198,27 @@ mod x86 {
             width,
             unscale,
         } = *rows;
-        let bt = BlockType::ALL[T as usize];
-        let (rc, rb) = (bt.record_cols(), bt.record_bytes());
+        let (rc, rb) = (record_cols(T), record_bytes(T));
+        let k_type = matches!(T, Q4K | Q5K);
         let (un0, un1) = (_mm256_set1_ps(unscale[0]), _mm256_set1_ps(unscale[1]));
         let low = _mm256_set1_epi8(15);
         let ones = _mm256_set1_epi16(1);
+        // Eight f16 (the half's rows) at p, as f32, times un.
+        let eight = |p: *const u8, un: __m256| {
+            _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * half).cast())),
+                un,
+            )
+        };
+        // Eight bytes (the half's rows) at p as f32, unsigned or (Q6_K) signed.
+        let bytes = |p: *const u8| {
+            let v = _mm_loadl_epi64(p.add(8 * half).cast());
+            _mm256_cvtepi32_ps(if T == Q6K {
+                _mm256_cvtepi8_epi32(v)
+            } else {
+                _mm256_cvtepu8_epi32(v)
+            })
+        };
         let xp = xs.as_ptr();
         macro_rules! x4 {
             ($i:expr, $at:expr) => {
@@ -1143,40 +1226,42 @@ mod x86 {
             };
         }
         let base = acc.as_mut_ptr();
-        let out = |i: usize| base.add(i * BLOCK + 8 * half);
         let mut total = [_mm256_setzero_ps(); R];
-        // Runs summed in i16 before widening.
+        // Pairs of runs summed in i16 before widening.
         let span = match T {
-            Q4K => 4,
-            Q5K => 2,
-            _ => 1,
+            Q6K => 1,
+            _ if five_bits(T) => 2,
+            _ => 4,
         };
         for s in 0..width / rc {
             let rec = w.as_ptr().add(s * rb);
-            let d = _mm256_mul_ps(eight(rec.add(16 * half)), un0);
             for j in 0..rc / GROUP {
                 let g = s * (rc / GROUP) + j;
-                let nib = rec.add(HEADER + j * 256 + 32 * half);
-                let scales = rec.add(scales_at(T) + j * 32 + 8 * half);
+                let nib = rec.add(header_bytes(T) + j * 256 + 32 * half);
+                let scales = rec.add(scales_at(T) + j * 32);
                 let hi = rec.add(high_at(T) + 32 * half);
+                let d = eight(rec.add(d_at(T, j)), un0);
                 let subs = if T == Q6K { 2 } else { 1 };
-                let mut h = match T {
-                    Q5K => _mm256_loadu_si256(hi.add(j * 64).cast()),
-                    _ => _mm256_setzero_si256(),
+                let mut h = if five_bits(T) {
+                    _mm256_loadu_si256(hi.add(j * 64).cast())
+                } else {
+                    _mm256_setzero_si256()
                 };
                 for sub in 0..subs {
                     let a = match T {
-                        Q4K | Q5K => _mm256_mul_ps(d, eight_bytes::<false>(scales)),
-                        Q6K => _mm256_mul_ps(d, eight_bytes::<true>(scales.add(16 * sub))),
-                        _ => _mm256_mul_ps(eight(rec.add(32 * j + 16 * half)), un0),
+                        Q6K => _mm256_mul_ps(d, bytes(scales.add(16 * sub))),
+                        _ if k_type => _mm256_mul_ps(d, bytes(scales)),
+                        _ => d,
                     };
-                    if T == Q6K {
-                        h = _mm256_loadu_si256(hi.add((2 * j + sub) * 64).cast());
-                    }
                     let mut sums = [_mm256_setzero_si256(); R];
                     if T == Q6K {
+                        h = _mm256_loadu_si256(hi.add((2 * j + sub) * 64).cast());
                         for (i, si) in sums.iter_mut().enumerate() {
                             *si = _mm256_set1_epi32(*start.get_unchecked((2 * g + sub) * R + i));
+                        }
+                    } else if offset(T) > 0 && T != Q8_0 {
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            *si = _mm256_set1_epi32(offset(T) * *start.get_unchecked(g * R + i));
                         }
                     }
                     let pairs = 4 / subs;
@@ -1188,49 +1273,40 @@ mod x86 {
                             _mm256_and_si256(v, low),
                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
                         );
-                        match T {
-                            Q5K => {
-                                let bit = _mm256_set1_epi8(0x10);
-                                w0 = _mm256_or_si256(
+                        if five_bits(T) {
+                            let bit = _mm256_set1_epi8(0x10);
+                            w0 =
+                                _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit));
+                            w1 =
+                                _mm256_or_si256(w1, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit));
+                            h = _mm256_srli_epi16(h, 2);
+                        } else if T == Q6K {
+                            let bits = _mm256_set1_epi8(0x30);
+                            w0 = _mm256_or_si256(
+                                w0,
+                                _mm256_and_si256(_mm256_slli_epi16(h, 4), bits),
+                            );
+                            w1 = _mm256_or_si256(
+                                w1,
+                                _mm256_and_si256(_mm256_slli_epi16(h, 2), bits),
+                            );
+                            h = _mm256_srli_epi16(h, 4);
+                        } else if T == Q8_0 {
+                            let top = _mm256_set1_epi8(-16);
+                            let hv = _mm256_loadu_si256(hi.add((j * 4 + p) * 64).cast());
+                            let flip = _mm256_set1_epi8(-128);
+                            // w = u - 128 as i8: u with its top bit flipped
+                            w0 = _mm256_xor_si256(
+                                _mm256_or_si256(
                                     w0,
-                                    _mm256_and_si256(_mm256_slli_epi16(h, 4), bit),
-                                );
-                                w1 = _mm256_or_si256(
-                                    w1,
-                                    _mm256_and_si256(_mm256_slli_epi16(h, 3), bit),
-                                );
-                                h = _mm256_srli_epi16(h, 2);
-                            }
-                            Q6K => {
-                                let bits = _mm256_set1_epi8(0x30);
-                                w0 = _mm256_or_si256(
-                                    w0,
-                                    _mm256_and_si256(_mm256_slli_epi16(h, 4), bits),
-                                );
-                                w1 = _mm256_or_si256(
-                                    w1,
-                                    _mm256_and_si256(_mm256_slli_epi16(h, 2), bits),
-                                );
-                                h = _mm256_srli_epi16(h, 4);
-                            }
-                            Q8_0 => {
-                                let top = _mm256_set1_epi8(-16);
-                                let hv = _mm256_loadu_si256(hi.add((j * 4 + p) * 64).cast());
-                                let flip = _mm256_set1_epi8(-128);
-                                // w = u - 128 as i8: u with its top bit flipped
-                                w0 = _mm256_xor_si256(
-                                    _mm256_or_si256(
-                                        w0,
-                                        _mm256_and_si256(_mm256_slli_epi16(hv, 4), top),
-                                    ),
-                                    flip,
-                                );
-                                w1 = _mm256_xor_si256(
-                                    _mm256_or_si256(w1, _mm256_and_si256(hv, top)),
-                                    flip,
-                                );
-                            }
-                            _ => {}
+                                    _mm256_and_si256(_mm256_slli_epi16(hv, 4), top),
+                                ),
+                                flip,
+                            );
+                            w1 = _mm256_xor_si256(
+                                _mm256_or_si256(w1, _mm256_and_si256(hv, top)),
+                                flip,
+                            );
                         }
                         let at = g * GROUP + p * 8;
                         for (i, (si, sh)) in sums.iter_mut().zip(short.iter_mut()).enumerate() {
@@ -1261,16 +1337,20 @@ mod x86 {
                     }
                     for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
                         let s = _mm256_set1_ps(*sx.get_unchecked(g * R + i));
-                        *ti = _mm256_add_ps(
-                            *ti,
-                            _mm256_mul_ps(_mm256_cvtepi32_ps(*si), _mm256_mul_ps(a, s)),
-                        );
+                        let exact = _mm256_cvtepi32_ps(*si);
+                        *ti = _mm256_add_ps(*ti, _mm256_mul_ps(exact, _mm256_mul_ps(a, s)));
                     }
                 }
-                if T == Q4K || T == Q5K {
-                    let dmin = _mm256_mul_ps(eight(rec.add(32 + 16 * half)), un1);
-                    let mn = eight_bytes::<false>(scales.add(16));
-                    let b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn));
+                if has_min(T) {
+                    let b = if k_type {
+                        let dmin = eight(rec.add(min_at(T, j)), un1);
+                        _mm256_sub_ps(
+                            _mm256_setzero_ps(),
+                            _mm256_mul_ps(dmin, bytes(scales.add(16))),
+                        )
+                    } else {
+                        eight(rec.add(min_at(T, j)), un1)
+                    };
                     for (i, ti) in total.iter_mut().enumerate() {
                         let xs = _mm256_set1_ps(*xsum.get_unchecked(g * R + i));
                         *ti = _mm256_add_ps(*ti, _mm256_mul_ps(b, xs));
@@ -1279,7 +1359,7 @@ mod x86 {
             }
         }
         for (i, ti) in total.iter().enumerate() {
-            _mm256_storeu_ps(out(i), *ti);
+            _mm256_storeu_ps(base.add(i * BLOCK + 8 * half), *ti);
         }
     }
 }
@@ -1302,7 +1382,9 @@ mod tests {
             let dmin = f16::from_f32(0.001 + scales[2 * i + 1].abs() * 0.01);
             match t {
                 BlockType::Q6K => b[208..210].copy_from_slice(&d.to_le_bytes()),
-                BlockType::Q8_0 => b[..2].copy_from_slice(&d.to_le_bytes()),
+                BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 => {
+                    b[..2].copy_from_slice(&d.to_le_bytes());
+                }
                 _ => {
                     b[..2].copy_from_slice(&f16::from_f32(d.to_f32().abs()).to_le_bytes());
                     b[2..4].copy_from_slice(&dmin.to_le_bytes());
@@ -1316,7 +1398,7 @@ mod tests {
     fn tiny(t: BlockType, mut raw: Vec<u8>) -> Vec<u8> {
         let fields: &[usize] = match t {
             BlockType::Q6K => &[208],
-            BlockType::Q8_0 => &[0],
+            BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 => &[0],
             _ => &[0, 2],
         };
         for b in raw.chunks_exact_mut(t.block_bytes()) {
@@ -1404,9 +1486,15 @@ mod tests {
                                     total += ((s - 32 * xs) as f32) * (a * sx);
                                 }
                             }
-                            BlockType::Q8_0 => {
+                            BlockType::Q4_1 | BlockType::Q5_1 => {
                                 let (s, xs) = sum(g * GROUP, (g + 1) * GROUP);
-                                total += ((s - 128 * xs) as f32) * (d * sx);
+                                total += (s as f32) * (d * sx);
+                                total += un.dmin[blk].to_f32() * (sx * xs as f32);
+                            }
+                            _ => {
+                                let off = i64::from(offset(t.id()));
+                                let (s, xs) = sum(g * GROUP, (g + 1) * GROUP);
+                                total += ((s - off * xs) as f32) * (d * sx);
                             }
                         }
                     }
@@ -1433,7 +1521,7 @@ mod tests {
     type Parts = Vec<(BlockType, Vec<u8>, usize)>;
 
     fn cases() -> Vec<(Parts, usize)> {
-        use BlockType::{Q4K, Q5K, Q6K, Q8_0};
+        use BlockType::{Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
         let mut out = vec![];
         for (i, t) in BlockType::ALL.into_iter().enumerate() {
             for &(rows, cols) in &[(16, 256), (5, 512), (33, 768)] {
@@ -1441,7 +1529,28 @@ mod tests {
                 out.push((vec![(t, random_blocks(t, rows, cols, seed), rows)], cols));
             }
         }
-        out.push((vec![(Q8_0, random_blocks(Q8_0, 7, 64, 3), 7)], 64));
+        for t in [Q8_0, Q4_0, Q4_1, Q5_0, Q5_1] {
+            out.push((vec![(t, random_blocks(t, 7, 64, 3), 7)], 64));
+        }
+        // Gemma 3's and Qwen2.5 0.5B's Q4_K_M mixes: q/k/v of Q5_0 and Q8_0, every small type
+        out.push((
+            vec![
+                (Q5_0, random_blocks(Q5_0, 32, 640, 41), 32),
+                (Q8_0, random_blocks(Q8_0, 16, 640, 42), 16),
+                (Q5_0, random_blocks(Q5_0, 3, 640, 43), 3),
+            ],
+            640,
+        ));
+        out.push((
+            vec![
+                (Q4_0, random_blocks(Q4_0, 16, 768, 51), 16),
+                (Q4_1, random_blocks(Q4_1, 16, 768, 52), 16),
+                (Q5_1, random_blocks(Q5_1, 32, 768, 53), 32),
+                (Q4K, random_blocks(Q4K, 16, 768, 54), 16),
+                (Q5_0, random_blocks(Q5_0, 5, 768, 55), 5),
+            ],
+            768,
+        ));
         // scales among f16's subnormals, as most of a real Q6_K tensor's are
         for t in BlockType::ALL {
             out.push((vec![(t, tiny(t, random_blocks(t, 16, 256, 31)), 16)], 256));
@@ -1507,7 +1616,11 @@ mod tests {
             match t {
                 BlockType::Q6K => flipped[192] ^= 0x80, // the first sub-block's scale's sign
                 BlockType::Q8_0 => flipped[2] ^= 0x80,  // a value's sign bit
-                _ => flipped[4] ^= 1,                   // the first group's sc
+                // Q4_0: a value's low bit; Q5_0: a fifth bit
+                BlockType::Q4_0 | BlockType::Q5_0 => flipped[2] ^= 0x01,
+                BlockType::Q4_1 => flipped[3] ^= 0x80, // m's sign
+                // K types: the first group's sc; Q5_1: a fifth bit
+                _ => flipped[4] ^= 1,
             }
             let wrong = reference(&[(t, flipped, 16)], cols, &x, 3);
             assert!(
@@ -1529,9 +1642,9 @@ mod tests {
                 for b in raw.chunks_exact_mut(bb) {
                     let (lo, hi) = match t {
                         BlockType::Q6K => (0, 192), // values; the scales stay random
-                        BlockType::Q8_0 => (2, 34),
-                        BlockType::Q4K => (16, 144),
-                        BlockType::Q5K => (16, 176),
+                        BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 => (2, bb),
+                        BlockType::Q4_1 | BlockType::Q5_1 => (4, bb),
+                        BlockType::Q4K | BlockType::Q5K => (16, bb),
                     };
                     b[lo..hi].fill(fill);
                     if t == BlockType::Q6K {
@@ -1594,7 +1707,8 @@ mod tests {
                                     - un.dmin[blk].to_f32() * f32::from(un.mn[at])
                             }
                             BlockType::Q6K => (d * f32::from(un.sc[at])) * (u - 32.0),
-                            BlockType::Q8_0 => d * (u - 128.0),
+                            BlockType::Q4_1 | BlockType::Q5_1 => d * u + un.dmin[blk].to_f32(),
+                            _ => d * (u - offset(t.id()) as f32),
                         };
                         assert_eq!(
                             w[(o0 + o) * cols + k].to_bits(),
@@ -1663,6 +1777,10 @@ mod tests {
             (BlockType::Q5K, 5625),
             (BlockType::Q6K, 6625),
             (BlockType::Q8_0, 8500),
+            (BlockType::Q4_0, 4500),
+            (BlockType::Q4_1, 5000),
+            (BlockType::Q5_0, 5500),
+            (BlockType::Q5_1, 6000),
         ] {
             let (rows, cols) = (32, 512);
             let m = matrix(&[(t, random_blocks(t, rows, cols, 1), rows)], cols);
