@@ -413,10 +413,12 @@ fn shifted(v: f16, s: i32) -> f16 {
 }
 
 impl Part {
-    fn new(t: BlockType, raw: &[u8], row0: usize, rows: usize, cols: usize) -> Part {
+    /// Part of rows row0..row0 + rows from its raw blocks, packed over `width` ≥ cols features
+    /// (a small type's last record may hold a group past cols: zeros, as the activations there).
+    fn new(t: BlockType, raw: &[u8], row0: usize, rows: usize, cols: usize, width: usize) -> Part {
         let un = unpack(t, raw, rows, cols);
         let (rc, rb) = (t.record_cols(), t.record_bytes());
-        let records = cols / rc;
+        let records = width / rc;
         let blocks = rows.div_ceil(BLOCK);
         let mut packed = WeightBuf::from_elem(0u8, blocks * records * rb);
         let per_row = cols / t.block_values();
@@ -436,6 +438,9 @@ impl Part {
                 let k0 = s * rc;
                 // header: each group's d (and m), or the block's d and dmin
                 for j in 0..rc / t.block_values() {
+                    if k0 / t.block_values() + j >= per_row {
+                        break;
+                    }
                     let at = o * per_row + k0 / t.block_values() + j;
                     let d = shifted(un.d[at], s0).to_le_bytes();
                     rec[d_at(id, j) + 2 * lane..d_at(id, j) + 2 * lane + 2].copy_from_slice(&d);
@@ -445,7 +450,7 @@ impl Part {
                         rec[at..at + 2].copy_from_slice(&m);
                     }
                 }
-                for k in 0..rc {
+                for k in 0..rc.min(cols - k0) {
                     let u = un.u[o * cols + k0 + k];
                     let (g, in_group) = (k / GROUP, k % GROUP);
                     let (run, f) = (in_group / 4, in_group % 4);
@@ -498,6 +503,7 @@ impl Part {
 pub struct GgufMatrix {
     rows: usize,
     cols: usize,
+    width: usize, // cols, or for a small type's cols a multiple of 32 only, the next of 64
     parts: Vec<Part>,
 }
 
@@ -518,17 +524,19 @@ impl GgufMatrix {
                 "a GGUF matrix takes at most {MAX_COLS} columns, got {cols}"
             )));
         }
+        // the small types' records take 64 features: a last group past cols holds zeros
+        let width = cols.next_multiple_of(64);
         let mut row0 = 0;
         let mut out = Vec::with_capacity(parts.len());
         for (i, &(t, raw, rows)) in parts.iter().enumerate() {
             if rows == 0 {
                 return Err(Error::value(format!("part {i} has no rows")));
             }
-            if !cols.is_multiple_of(t.record_cols()) {
+            if !cols.is_multiple_of(t.block_values()) {
                 return Err(Error::value(format!(
-                    "a {} part needs a multiple of {} columns, got {cols}",
+                    "a {} part needs a multiple of {} columns (its blocks' values), got {cols}",
                     t.name(),
-                    t.record_cols()
+                    t.block_values()
                 )));
             }
             if i + 1 < parts.len() && !rows.is_multiple_of(BLOCK) {
@@ -545,11 +553,16 @@ impl GgufMatrix {
                     raw.len()
                 )));
             }
-            out.push(Part::new(t, raw, row0, rows, cols));
+            out.push(Part::new(t, raw, row0, rows, cols, width));
             row0 += rows;
         }
         let (rows, parts) = (row0, out);
-        let m = GgufMatrix { rows, cols, parts };
+        let m = GgufMatrix {
+            rows,
+            cols,
+            width,
+            parts,
+        };
         if let Some(bad) = m.first_bad_scale() {
             return Err(Error::value(format!(
                 "scales must be finite, found {bad} in a block"
@@ -628,7 +641,7 @@ impl GgufMatrix {
 
     /// Record s of block b of part p.
     fn record<'a>(&self, p: &'a Part, b: usize, s: usize) -> &'a [u8] {
-        let (rb, records) = (p.kind.record_bytes(), self.cols / p.kind.record_cols());
+        let (rb, records) = (p.kind.record_bytes(), self.width / p.kind.record_cols());
         &p.packed[(b * records + s) * rb..(b * records + s + 1) * rb]
     }
 
@@ -639,9 +652,9 @@ impl GgufMatrix {
         if n == 0 {
             return Ok(());
         }
-        let acts = Activations::quantize(x, n, self.cols, self.cols);
+        let acts = Activations::quantize(x, n, self.cols, self.width);
         let most = rows_per_call(kernel);
-        let woven = Woven::new(&acts, n, self.cols, &self.parts, most);
+        let woven = Woven::new(&acts, n, self.width, &self.parts, most);
         let blocks: Vec<(usize, usize)> = (self.parts.iter().enumerate())
             .flat_map(|(i, p)| (0..p.blocks()).map(move |b| (i, b)))
             .collect();
@@ -682,12 +695,12 @@ impl GgufMatrix {
         m: usize,
         acc: &mut [f32],
     ) {
-        let records = self.cols / p.kind.record_cols();
+        let records = self.width / p.kind.record_cols();
         let rb = p.kind.record_bytes();
         let w = &p.packed[b * records * rb..(b + 1) * records * rb];
-        let groups = self.cols / GROUP;
+        let groups = self.width / GROUP;
         let rows = Rows {
-            xs: &woven.xs[r0 * self.cols..(r0 + m) * self.cols],
+            xs: &woven.xs[r0 * self.width..(r0 + m) * self.width],
             sx: &woven.sx[r0 * groups..(r0 + m) * groups],
             xsum: woven
                 .xsum
@@ -698,7 +711,7 @@ impl GgufMatrix {
                 t if small(t) && offset(t) > 0 => &woven.start32[r0 * groups..(r0 + m) * groups],
                 _ => &[],
             },
-            width: self.cols,
+            width: self.width,
             unscale: p.unscale,
         };
         #[cfg(target_arch = "x86_64")]
@@ -1531,6 +1544,8 @@ mod tests {
         }
         for t in [Q8_0, Q4_0, Q4_1, Q5_0, Q5_1] {
             out.push((vec![(t, random_blocks(t, 7, 64, 3), 7)], 64));
+            // a width of 3 groups: the last record half empty
+            out.push((vec![(t, random_blocks(t, 17, 96, 4), 17)], 96));
         }
         // Gemma 3's and Qwen2.5 0.5B's Q4_K_M mixes: q/k/v of Q5_0 and Q8_0, every small type
         out.push((
@@ -1750,6 +1765,8 @@ mod tests {
         };
         assert!(err(&[(BlockType::Q4K, &q4k[1..], 16)], 256).contains("bytes"));
         assert!(err(&[(BlockType::Q4K, &q4k, 16)], 128).contains("multiple of 256"));
+        let q8 = random_blocks(BlockType::Q8_0, 1, 32, 3);
+        assert!(err(&[(BlockType::Q8_0, &q8, 1)], 48).contains("multiple of 32"));
         let five = random_blocks(BlockType::Q4K, 5, 256, 2);
         assert!(err(
             &[(BlockType::Q4K, &five, 5), (BlockType::Q4K, &q4k, 16)],

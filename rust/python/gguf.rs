@@ -11,7 +11,8 @@ use super::int8::product_class;
 use crate::gguf::{BlockType, GgufMatrix};
 
 /// A weight matrix (out_features, in_features) stacked by rows from GGUF tensors, each kept in
-/// its own block type (Q4_K, Q5_K, Q6_K or Q8_0): the file's values and scales, the file's bytes.
+/// its own block type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1): the file's values and
+/// scales, the file's bytes.
 #[pyclass(frozen, name = "GgufMatrix", module = "specfast._core")]
 pub struct PyGgufMatrix {
     pub(crate) inner: GgufMatrix,
