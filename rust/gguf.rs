@@ -1099,13 +1099,20 @@ mod x86 {
         let mut total = [_mm512_setzero_ps(); R];
         for s in 0..width / rc {
             let rec = w.as_ptr().add(s * rb);
-            // One or two rows read faster than the hardware prefetches: the next records into
-            // L2; more rows take longer over a record, and keep the lines 2 KB ahead in L1.
-            if R <= 2 {
-                _mm_prefetch::<_MM_HINT_T1>(rec.wrapping_add(rb + 4096).cast());
-            }
             for j in 0..rc / GROUP {
                 let g = s * (rc / GROUP) + j;
+                // Every line of the records ahead, a group's share at a time (a record's
+                // nibbles, high bits and scales are apart): one or two rows read faster than
+                // the hardware prefetches, so 4 KB ahead into L2; more rows take longer over a
+                // record, and keep the lines 2 KB ahead in L1.
+                let share = (rb / 64).div_ceil(rc / GROUP);
+                for line in j * share..((j + 1) * share).min(rb / 64) {
+                    if R <= 2 {
+                        _mm_prefetch::<_MM_HINT_T1>(rec.wrapping_add(4096 + line * 64).cast());
+                    } else {
+                        _mm_prefetch::<_MM_HINT_T0>(rec.wrapping_add(2048 + line * 64).cast());
+                    }
+                }
                 let nib = rec.add(header_bytes(T) + j * 256);
                 let scales = rec.add(scales_at(T) + j * 32);
                 let hi = rec.add(high_at(T));
@@ -1145,9 +1152,6 @@ mod x86 {
                         }
                     }
                     for p in sub * 4 / subs..(sub + 1) * 4 / subs {
-                        if R > 2 {
-                            _mm_prefetch::<_MM_HINT_T0>(nib.wrapping_add(p * 64 + 2048).cast());
-                        }
                         let v = _mm512_loadu_si512(nib.add(p * 64).cast());
                         let hv = if T == Q8_0 {
                             _mm512_loadu_si512(hi.add((j * 4 + p) * 64).cast())
