@@ -188,12 +188,17 @@ def tiny_llama_gguf(path, max_positions: int = 256):
     return write_tiny_gguf(transformers.LlamaForCausalLM(config).eval(), path)
 
 
-def write_tiny_gguf(hf_model, path, matrices=None):
+def write_tiny_gguf(hf_model, path, matrices=None, blocks=None):
     """Write a transformers llama/qwen2/qwen3/gemma3 model as llama.cpp would (F32 tensors,
     permuted Q/K for llama, Gemma's norms as 1 + w), with a tiny byte-level BPE tokenizer of
     vocab_size tokens. `matrices` (a GGMLQuantizationType): the token embedding and the layers'
-    matrices whose rows hold whole 32-value blocks in that type, quantized by gguf."""
+    matrices whose rows hold whole 32-value blocks in that type, quantized by gguf. `blocks`:
+    GGUF tensor name -> (raw blocks (rows, bytes a row), GGMLQuantizationType), or (a float16
+    array, None), written in place of the model's tensor of that name (in the file's layout:
+    a llama's Q/K rows permuted)."""
     import gguf
+
+    blocks = blocks or {}
 
     cfg = hf_model.config
     arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
@@ -232,15 +237,20 @@ def write_tiny_gguf(hf_model, path, matrices=None):
     w.add_eos_token_id(len(tokens) - 1)
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     permute = arch == "llama"
-    embedding = sd["model.embed_tokens.weight"]
-    if matrices is not None and embedding.shape[1] % 32 == 0:
-        q = gguf.quants.quantize(embedding, matrices)
-        w.add_tensor("token_embd.weight", q, raw_dtype=matrices)
-    else:
-        w.add_tensor("token_embd.weight", embedding)
+
+    def add(name, t, quantize=True):
+        if name in blocks:
+            raw, kind = blocks[name]
+            w.add_tensor(name, raw, raw_dtype=kind)
+        elif quantize and matrices is not None and t.ndim == 2 and t.shape[1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(t, matrices), raw_dtype=matrices)
+        else:
+            w.add_tensor(name, t)
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not cfg.tie_word_embeddings:
-        w.add_tensor("output.weight", sd["lm_head.weight"])
+        add("output.weight", sd["lm_head.weight"], quantize=False)
     names = dict(
         attn_norm="input_layernorm", ffn_norm="post_attention_layernorm",
         attn_q="self_attn.q_proj", attn_k="self_attn.k_proj", attn_v="self_attn.v_proj",
@@ -261,12 +271,7 @@ def write_tiny_gguf(hf_model, path, matrices=None):
                     continue
                 if permute and ours in ("attn_q", "attn_k"):
                     t = llama_cpp_permute(t, nh if ours == "attn_q" else nkv)
-                t = np.ascontiguousarray(t)
-                if matrices is not None and t.ndim == 2 and t.shape[1] % 32 == 0:
-                    q = gguf.quants.quantize(t, matrices)
-                    w.add_tensor(f"blk.{i}.{ours}.{kind}", q, raw_dtype=matrices)
-                    continue
-                w.add_tensor(f"blk.{i}.{ours}.{kind}", t)
+                add(f"blk.{i}.{ours}.{kind}", np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

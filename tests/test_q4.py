@@ -287,7 +287,7 @@ def test_q4_smollm_speculation_equals_its_own_plain_greedy(smollm_gguf):
             assert out.token_ids == want, (prompt[:20], k)
 
 
-def test_auto_times_q4_only_where_the_file_is_4bit(tmp_path, monkeypatch):
+def test_auto_times_the_kinds_it_is_given(tmp_path, monkeypatch):
     import specfast.targets.torch.int8 as int8_module
 
     monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path))
@@ -357,6 +357,6 @@ def test_dtype_auto_on_amx_keeps_the_faster_of_bf16_and_float32(tmp_path, monkey
 
 
 @pytest.mark.smollm
-def test_the_smollm_gguf_is_4bit_and_a_float_model_is_not(smollm_gguf):
-    assert specfast.load_model(smollm_gguf, weights="float").file_is_4bit
-    assert not tiny_model().file_is_4bit
+def test_the_smollm_gguf_is_4bit_and_a_float_model_has_no_file_types(smollm_gguf):
+    assert specfast.load_model(smollm_gguf, weights="float").file_types == {"Q4_1"}
+    assert not tiny_model().file_types

@@ -11,6 +11,7 @@ import numpy.typing as npt
 __all__ = [
     "CoreLayers",
     "FloatMatrix",
+    "GgufMatrix",
     "Int8Matrix",
     "NgramDrafter",
     "Q4Matrix",
@@ -20,6 +21,7 @@ __all__ = [
     "advise_huge_pages",
     "amx_usable",
     "ggml_tile_restorer",
+    "gguf_block_types",
     "int8_kernel",
     "row_attention",
     "rule_tables",
@@ -59,7 +61,7 @@ def thread_round_trip() -> float | None: ...
 
 def advise_huge_pages(address: int, nbytes: int) -> int: ...
 
-# ---- int8 and 4-bit matrix products (rust/int8.rs, rust/q4.rs) --------------------------------
+# ---- int8, 4-bit and GGUF-block matrix products (rust/int8.rs, rust/q4.rs, rust/gguf.rs) ------
 
 @final
 class Int8Matrix:
@@ -111,18 +113,38 @@ class FloatMatrix:
     @property
     def nbytes(self) -> int: ...
 
+@final
+class GgufMatrix:
+    """GGUF tensors in their own ggml blocks (the types of gguf_block_types()), stacked by rows:
+    `parts` are (type name, raw blocks (rows, bytes a row) uint8)."""
+
+    @staticmethod
+    def from_tensors(parts: list[tuple[str, npt.NDArray[np.uint8]]], cols: int) -> GgufMatrix: ...
+    def matmul(
+        self, x: npt.NDArray[np.float32], out: npt.NDArray[np.float32], kernel: str = "auto"
+    ) -> None: ...
+    def dequantize(self) -> npt.NDArray[np.float32]: ...
+    def types(self) -> list[tuple[str, int]]: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def cols(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+def gguf_block_types() -> list[str]: ...
 def int8_kernel() -> str: ...
 
 _Float32 = npt.NDArray[np.float32]
 _Float16 = npt.NDArray[np.float16]
-_Matrix = Int8Matrix | Q4Matrix | FloatMatrix
+_Matrix = Int8Matrix | Q4Matrix | GgufMatrix | FloatMatrix
 _LayerWeights = tuple[_Float32, _Matrix, _Float32 | None, _Matrix, _Float32, _Matrix, _Matrix]
 
 @final
 class CoreLayers:
-    """A model's int8, 4-bit or float32 layers and its head, run over a pass in one call.
-    layers: per layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down); norm and
-    output: the final norm and the vocabulary projection; qk_norms: per layer (q_norm, k_norm),
+    """A model's int8, 4-bit, GGUF-block or float32 layers and its head, run over a pass in one
+    call. layers: per layer (attn_norm, qkv, qkv_bias or None, o, ffn_norm, gate_up, down); norm
+    and output: the final norm and the vocabulary projection; qk_norms: per layer (q_norm, k_norm),
     applied to every query and key head before RoPE (Qwen3, Gemma 3), or None. Gemma 3's:
     post_norms per layer (post_attn_norm, post_ffn_norm), act "gelu_tanh", attn_scale, and
     sliding_layers that see only their last `window` keys."""

@@ -139,6 +139,7 @@ def add_runtime_options(parser: argparse.ArgumentParser) -> None:
         "--weights",
         choices=WEIGHTS_CHOICES,
         default="auto",
-        help="auto (default): int8 on CPUs where a timed step says it is faster (with --dtype "
-        "auto); float; int8 (CPU)",
+        help="auto (default): int8, or a quantized GGUF's own blocks, on CPUs where a timed "
+        "step says it is faster (with --dtype auto); float; int8, q4, file (CPU; file: the "
+        "GGUF's own blocks)",
     )

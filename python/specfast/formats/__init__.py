@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from specfast.formats.gguf import load_gguf
+from specfast.formats.gguf import auto_candidates, load_gguf
 from specfast.formats.hf_folder import load_hf_folder
 from specfast.targets.base import default_model_path
 from specfast.targets.llama_cpp import load_llama
@@ -43,8 +43,13 @@ def load_model(
     context, up to 4095), so no generate() that fits compiles inside its clock.
     weights (CPU, float32 activations): "int8" or "q4" quantize the layers' matrices as they
     load (a GGUF's Q4_0, Q4_1 and Q4_K tensors keep their own values and scales, and a
-    quantized embedding stays in the file's blocks); "auto" times float, int8 and, for a 4-bit
-    GGUF, q4 steps once per CPU and file and keeps the fastest; "float" keeps the dtype.
+    quantized embedding stays in the file's blocks); "file" (a GGUF only) keeps each tensor in
+    the file's own blocks (the types of gguf_block_types(): Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K, Q8_0; other types, 16- and 32-bit floats too, as Q8_0), the output matrix too where
+    the core holds its type (else int8); "auto" times float and quantized steps once per CPU
+    and file and keeps the fastest: int8 for a checkpoint folder or a float GGUF, "file" for a
+    quantized GGUF, and int8 beside it only where every layer tensor has under 8 bits a
+    weight; "float" keeps the dtype.
 
     backend="llama.cpp" returns a llama_cpp.Llama over the GGUF file instead (its own quantized
     weights; dtype and compile are not used); extra keyword arguments (n_ctx, n_threads, ...)
@@ -78,7 +83,7 @@ def load_model(
     else:
         model = _load(path, device, float_dtype, "float")
     if try_int8:
-        kinds = ("int8", "q4") if model.file_is_4bit else ("int8",)
+        kinds = auto_candidates(model.file_types)
         model, _ = auto_weights(model, lambda kind: _load(path, device, None, kind), kinds)
         if model.int8:
             return model
@@ -92,8 +97,10 @@ def _load(path: Path, device, dtype, weights: str) -> Model:
     """The model at `path` in `dtype` (None: float32), with quantized weights if asked."""
     dtype = torch.float32 if dtype is None else dtype
     # Quantized as read, where the model stays on the CPU in float32 (the core's activations):
-    # a float copy of the whole model never exists.
+    # a float copy of the whole model never exists. A file's own blocks can only be read.
     as_read = weights if weights in QUANTIZED and dtype == torch.float32 else "float"
+    if weights == "file":
+        as_read = weights
     if path.is_dir():
         model = load_hf_folder(path, dtype, as_read)
     elif path.is_file():

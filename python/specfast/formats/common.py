@@ -46,7 +46,8 @@ class LayerQuantizer:
     shape-only placeholders: only one float matrix exists at a time, so a model whose float32
     copy would not fit in memory (a 7B is 30 GB) loads in about the size of its quantized one.
     Each matrix is quantized from the same float32 values as `Model.quantize_int8` reads, so the
-    model is the same bits either way."""
+    model is the same bits either way. Kind "file": a GGUF's own blocks, which its loader makes
+    into core matrices itself (the `ready` ones)."""
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -67,9 +68,11 @@ class LayerQuantizer:
         self.layers.append(row)
         return tensors
 
-    def output(self, weights: dict[str, torch.Tensor]) -> None:
-        """An untied output matrix (always int8: a 4-bit one costs the most agreement)."""
-        self.head = self._take(weights, "lm_head.weight", "int8")
+    def output(self, weights: dict[str, torch.Tensor], ready=None) -> None:
+        """The output matrix: `ready` (a core matrix the loader made: a GGUF's own blocks, tied
+        or with a placeholder in `weights`) as it is, else the untied one in int8 (a 4-bit one
+        costs the most agreement)."""
+        self.head = ready if ready is not None else self._take(weights, "lm_head.weight", "int8")
 
     def attach(self, model: Model) -> Model:
         """The model, running on the quantized matrices (a tied head quantized from the

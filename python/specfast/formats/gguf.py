@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specfast._core import Q4Matrix
+from specfast._core import GgufMatrix, Q4Matrix, gguf_block_types
 from specfast.formats.common import (
     SUPPORTED_ARCHS,
     LayerQuantizer,
@@ -21,12 +21,15 @@ from specfast.formats.common import (
 from specfast.formats.spm import spm_tokenizer
 from specfast.targets.llama_cpp.state import llama_state
 from specfast.targets.torch.embedding import FileEmbedding
+from specfast.targets.torch.int8 import CoreMatrix, q8_0_blocks, quantize
 from specfast.targets.torch.model import Model, ModelConfig
 
-# ggml's 4-bit types: each group of 32 weights is 16 levels on an affine scale, which a group of
-# the q4 weights holds (Q4_0, Q4_1 and Q4_K as four_bit_parts reads them, the others
-# requantized).
-FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
+# ggml's float types: a GGUF whose layer matrices are all of these is not quantized.
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+# The layer matrices' tensors, each layer's: Model.file_types holds their types.
+LAYER_TENSORS = (
+    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"
+)  # fmt: skip
 
 
 def _gguf_reader(path: Path):
@@ -114,7 +117,13 @@ def _dequantized(tensors: dict, name: str, path: Path) -> np.ndarray:
 def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
     """The model in a GGUF file, its tensors dequantized to `dtype`; with weights "int8" or
     "q4" each layer's matrices are quantized as they are read (LayerQuantizer; for q4 a 4-bit
-    tensor keeps its own values and scales), and a quantized embedding stays in its blocks."""
+    tensor keeps its own values and scales), and a quantized embedding stays in its blocks.
+
+    weights="file" keeps every layer matrix in the file's own blocks (a GgufMatrix, each tensor
+    at its type), and the output matrix too (the embedding, where tied) where the core holds
+    its type, else in int8. A tensor of a type the core does not hold is requantized to Q8_0:
+    at least the bits of a 2-6 bit type; a 16- or 32-bit float loses what the 8-bit
+    activations would anyway, so a file of float layer tensors loads too, all in Q8_0."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
@@ -189,14 +198,12 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
         return torch.from_numpy(w).to(dtype)
 
     quantizer = LayerQuantizer(weights) if weights != "float" else None
+    held = set(gguf_block_types())
 
-    def matrix(layer: dict, ready: dict, ours: str, names: list[str]) -> None:
-        """Our matrix `ours`, the GGUF tensors `names` stacked by rows. For q4 weights, 4-bit
-        tensors keep their values and scales (four_bit_parts), the others are quantized: a
-        matrix all of Q4_0 stays Q4_0 (4.5 bits a weight), any other is Q4_1."""
-        if weights != "q4":
-            layer[ours] = torch.cat([get(n) for n in names])
-            return
+    def q4_matrix(names: list[str]) -> Q4Matrix:
+        """The tensors `names` stacked by rows as a Q4Matrix: 4-bit tensors keep their values
+        and scales (four_bit_parts), the others are quantized; all of Q4_0 stays Q4_0 (4.5 bits
+        a weight), any other is Q4_1."""
         parts: list = []  # per tensor (q, d, m or None), its rows as ours
         for n in names:
             p = four_bit_parts(tensors[n])
@@ -209,8 +216,50 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
         m = None  # all Q4_0; else Q4_1, Q4_0's tensors with m = -8d (exact in f16)
         if any(p[2] is not None for p in parts):
             m = np.concatenate([-8 * p[1] if p[2] is None else p[2] for p in parts])
-        ready[ours] = Q4Matrix.from_parts(q, d, m)
-        layer[ours] = torch.empty(q.shape, dtype=dtype, device="meta")
+        return Q4Matrix.from_parts(q, d, m)
+
+    def file_matrix(names: list[str]) -> CoreMatrix:
+        """The GGUF tensors `names` stacked by rows in their own blocks, those of a type the
+        core does not hold requantized to Q8_0 (neighbours of one type: one part). A matrix all
+        of Q4_0 and Q4_1 is a Q4Matrix: the same values, on the kernels tuned for that layout.
+        Where the core cannot hold blocks (rows that are not whole blocks of 32, or a type that
+        changes within a 16-row tile), the float values as quantize(kind="file") takes them."""
+
+        def values() -> torch.Tensor:  # float32, as a float32 load reads them
+            return torch.cat(
+                [torch.from_numpy(unpermuted(n, _dequantized(tensors, n, path))) for n in names]
+            )
+
+        cols = int(tensors[names[0]].shape[0])
+        if cols % 32:
+            return quantize(values(), "file")
+        if all(tensors[n].tensor_type.name in ("Q4_0", "Q4_1") for n in names):
+            return q4_matrix(names)
+        parts: list[tuple[str, np.ndarray]] = []
+        for n in names:
+            t = tensors[n]
+            kind = t.tensor_type.name
+            if kind in held:  # rows are independent in ggml: unpermuted as a float matrix's
+                raw = np.asarray(t.data, dtype=np.uint8).reshape(int(np.prod(t.shape[1:])), -1)
+            else:
+                raw, kind = q8_0_blocks(_dequantized(tensors, n, path)), "Q8_0"
+            raw = np.ascontiguousarray(unpermuted(n, raw))
+            if parts and parts[-1][0] == kind:
+                parts[-1] = (kind, np.concatenate([parts[-1][1], raw]))
+            else:
+                parts.append((kind, raw))
+        if any(len(raw) % 16 for _, raw in parts[:-1]):
+            return quantize(values(), "file")
+        return GgufMatrix.from_tensors(parts, cols)
+
+    def matrix(layer: dict, ready: dict, ours: str, names: list[str]) -> None:
+        """Our matrix `ours`, the GGUF tensors `names` stacked by rows: for q4 weights
+        q4_matrix, for file weights file_matrix, else float tensors."""
+        if weights in ("q4", "file"):
+            ready[ours] = m = q4_matrix(names) if weights == "q4" else file_matrix(names)
+            layer[ours] = torch.empty((m.rows, m.cols), dtype=dtype, device="meta")
+            return
+        layer[ours] = torch.cat([get(n) for n in names])
 
     # Quantized weights keep a quantized embedding in its blocks (FileEmbedding): the lookup
     # reads a few rows, and a float32 table would be a 7B's largest tensor after its layers.
@@ -223,7 +272,17 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
         ours["embed.weight"] = torch.empty(shape, dtype=dtype, device="meta")
     else:
         ours["embed.weight"] = get("token_embd.weight")
-    if not config.tie_embeddings:
+    # file weights keep the output matrix in its blocks where the core holds them (Qwen2.5's
+    # Q6_K head is a fifth of the file's bytes)
+    head = "token_embd.weight" if config.tie_embeddings else "output.weight"
+    head_type = tensors[head].tensor_type.name if head in tensors else None
+    if quantizer and weights == "file" and head_type in held:
+        blocks = file_matrix([head])
+        if not config.tie_embeddings:
+            shape = (blocks.rows, blocks.cols)
+            ours["lm_head.weight"] = torch.empty(shape, dtype=dtype, device="meta")
+        quantizer.output(ours, blocks)
+    elif not config.tie_embeddings:
         ours["lm_head.weight"] = get("output.weight")
         if quantizer:
             quantizer.output(ours)
@@ -256,10 +315,10 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
         model.embed = FileEmbedding(table, embd.tensor_type, dim, dtype)
     if quantizer:
         quantizer.attach(model)
-    model.file_is_4bit = all(
-        tensors[f"blk.{i}.{name}.weight"].tensor_type.name in FOUR_BIT_TYPES
+    model.file_types = frozenset(
+        tensors[f"blk.{i}.{name}.weight"].tensor_type.name
         for i in range(config.n_layers)
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        for name in LAYER_TENSORS
     )
 
     model.tokenizer = tokenizer_from_gguf(reader, path) if tokens else None
@@ -267,6 +326,28 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     model.eos_token_ids = list(dict.fromkeys(int_list([e for e in eos if e is not None])))
     return model
+
+
+def auto_candidates(types: frozenset[str]) -> tuple[str, ...]:
+    """weights="auto"'s quantized candidates for a model whose layer matrices are of the ggml
+    `types` (Model.file_types; none for a checkpoint folder): int8, and for a quantized GGUF
+    its own blocks ("file"), with int8 only where every type has under 8 bits a weight (int8's
+    one scale a row holds fewer than Q8_0's scale per 32), and q4 too where every type is Q4_0
+    or Q4_1: its layer matrices are then the file's values, as "file"'s, and its int8 output
+    matrix the int8 candidate's (on SmolLM2's Q4_1 file it decodes 4 % faster than "file",
+    whose Q8_0 head reads a little more)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if types <= FLOAT_TYPES:
+        return ("int8",)
+
+    def bits(kind: str) -> float:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+        return 8 * size / block
+
+    if types <= {"Q4_0", "Q4_1"}:
+        return ("file", "int8", "q4")
+    return ("file", "int8") if all(bits(t) < 8 for t in types) else ("file",)
 
 
 def gemma3_options(meta, dim: int, n_heads: int, n_layers: int) -> dict:

@@ -120,7 +120,13 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "float") -> Model:
     """The model in a Hugging Face checkpoint folder, in `dtype`; with weights "int8" or "q4"
-    each layer's matrices are quantized as they are read (LayerQuantizer)."""
+    each layer's matrices are quantized as they are read (LayerQuantizer). ("file" is a GGUF
+    file's own blocks: a ValueError here.)"""
+    if weights == "file":
+        raise ValueError(
+            f'{folder}: weights="file" keeps the blocks of a GGUF file, and this is a checkpoint '
+            'folder; pass a GGUF file, or weights="int8", "q4" or "float"'
+        )
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{folder}: no config.json; expected a Hugging Face checkpoint folder")

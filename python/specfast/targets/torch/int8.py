@@ -3,15 +3,18 @@ this CPU.
 
 float32 weights (`specfast._core.FloatMatrix`) keep their values, and each output is one fixed
 sum whatever the number of rows. Quantized weights are int8 with one scale per output row
-(`specfast._core.Int8Matrix`), or 4-bit as llama.cpp's Q4_1 (`specfast._core.Q4Matrix`: per
-group of 32 inputs a scale and a minimum); each activation row is quantized with its own scales
-at every call. So a row's logits never depend on the other rows of a pass: a verify pass over
-k+1 tokens gives exactly what k+1 one-token passes give, which keeps the model's speculative
-output equal to its own plain output.
+(`specfast._core.Int8Matrix`), 4-bit as llama.cpp's Q4_1 (`specfast._core.Q4Matrix`: per
+group of 32 inputs a scale and a minimum), or a GGUF file's own blocks, each tensor at its ggml
+type (`specfast._core.GgufMatrix`: the types of `gguf_block_types()`); each activation row is
+quantized with its own scales at every call. So a row's logits never depend on the other rows
+of a pass: a verify pass over k+1 tokens gives exactly what k+1 one-token passes give, which
+keeps the model's speculative output equal to its own plain output.
 
-`load_model(weights="auto")` picks int8, or q4 where the file's layer matrices are 4-bit already
-(so auto never stores fewer bits than the file), where a timed decode step says it is faster than
-the float weights at the dtype "auto" chose. On a CPU with AMX, dtype "auto" is itself timed:
+`load_model(weights="auto")` keeps whichever of the float weights (at the dtype "auto" chose)
+and its quantized candidates a timed decode step says is fastest. The candidates are int8, or
+for a quantized GGUF its own blocks ("file"), with int8 too only where every layer matrix of the
+file has under 8 bits a weight: auto never stores fewer bits than the file (but for its 16- and
+32-bit tensors, which "file" holds as Q8_0). On a CPU with AMX, dtype "auto" is itself timed:
 bfloat16 (oneDNN's tiles) against float32 (the core). The choices are kept per CPU and model
 shape (weights) or model file (dtype) in `~/.cache/specfast/weights.json` (`SPECFAST_CACHE` moves
 it), so each is timed once.
@@ -29,16 +32,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from specfast._core import FloatMatrix, Int8Matrix, Q4Matrix, int8_kernel
+from specfast._core import FloatMatrix, GgufMatrix, Int8Matrix, Q4Matrix, int8_kernel
 from specfast.hardware import proc_cpu_flags
 
-WEIGHTS_CHOICES = ("auto", "float", "int8", "q4")
-# The weight kinds the core runs, with int8 activations.
-QUANTIZED = ("int8", "q4")
+WEIGHTS_CHOICES = ("auto", "float", "int8", "q4", "file")
+# The weight kinds the core runs, with int8 activations ("file": a GGUF's own blocks).
+QUANTIZED = ("int8", "q4", "file")
+# The core's matrices, and those a quantized model's products run on.
+CoreMatrix = Int8Matrix | Q4Matrix | GgufMatrix | FloatMatrix
+CORE_MATRICES = (Int8Matrix, Q4Matrix, GgufMatrix, FloatMatrix)
 # Part of the cache key of "auto"'s timings: bump it when the int8 path's speed changes.
-KERNEL_VERSION = 6
+KERNEL_VERSION = 7
 # Passes of up to this many tokens run torch's own ops on one thread: the core splits its
 # products with its own helper thread (rust/helper.rs), and torch's OpenMP workers spinning
 # between ops beside it made a SmolLM2 decode step 300+ ms instead of 20 (2 cores).
@@ -65,16 +72,30 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def quantize(weight: torch.Tensor, kind: str = "int8") -> Int8Matrix | Q4Matrix:
-    """(N, K) float weight -> int8 (one scale per row) or q4 (Q4_1: per group of 32)."""
+def quantize(weight: torch.Tensor, kind: str = "int8") -> Int8Matrix | Q4Matrix | GgufMatrix:
+    """(N, K) float weight -> int8 (one scale per row), q4 (Q4_1: per group of 32), or "file":
+    float values have no file blocks, so Q8_0 (a scale per 32: the nearest ggml layout to
+    float), or int8 where K is not whole blocks of 32."""
     w = weight.detach().float().contiguous().numpy()
+    if kind == "file" and w.shape[1] % 32 == 0:
+        return GgufMatrix.from_tensors([("Q8_0", q8_0_blocks(w))], w.shape[1])
     return Q4Matrix(w) if kind == "q4" else Int8Matrix(w)
 
 
-def dequantize(m: Int8Matrix | Q4Matrix | FloatMatrix) -> torch.Tensor:
+def q8_0_blocks(w: np.ndarray) -> np.ndarray:
+    """(N, K) float32 -> gguf's Q8_0 blocks of it, (N, K / 32 * 34) uint8."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    return gguf_quantize(w, GGMLQuantizationType.Q8_0)
+
+
+def dequantize(m: CoreMatrix) -> torch.Tensor:
     """The float32 (N, K) matrix a core matrix stands for."""
     if isinstance(m, FloatMatrix):
         return torch.from_numpy(m.weights())
+    if isinstance(m, GgufMatrix):
+        return torch.from_numpy(m.dequantize())
     if isinstance(m, Q4Matrix):
         q, d, mins = m.parts()  # (N, K), (N, G), (N, G) or None (Q4_0)
         groups = torch.arange(m.cols) // 32
@@ -86,7 +107,7 @@ def dequantize(m: Int8Matrix | Q4Matrix | FloatMatrix) -> torch.Tensor:
     return torch.from_numpy(q8).float() * torch.from_numpy(scales)[:, None]
 
 
-def core_linear(x: torch.Tensor, m: Int8Matrix | Q4Matrix | FloatMatrix) -> torch.Tensor:
+def core_linear(x: torch.Tensor, m: CoreMatrix) -> torch.Tensor:
     """x (..., K) @ W.T -> (..., N) in x's dtype, through the core's product of `m`; the
     product runs in float32 activations."""
     x2 = x.reshape(-1, m.cols)

@@ -28,11 +28,10 @@ from specfast.targets.torch.decoder import Decoder
 from specfast.targets.torch.eager import forward_eager
 from specfast.targets.torch.embedding import FileEmbedding
 from specfast.targets.torch.int8 import (
+    CORE_MATRICES,
     INT8_SERIAL_ROWS,
     QUANTIZED,
     FloatMatrix,
-    Int8Matrix,
-    Q4Matrix,
     core_linear,
     dequantize,
     int8_kernel,
@@ -56,7 +55,7 @@ def linear(x, weight, packed=None, bias=None):
     """F.linear, through a oneDNN-prepacked weight or a core matrix if given."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if isinstance(packed, (Int8Matrix, Q4Matrix, FloatMatrix)):
+    if isinstance(packed, CORE_MATRICES):
         y = core_linear(x, packed)
         return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -118,10 +117,11 @@ class Model(nn.Module):
         self._rows_cache: dict[int, OutputRows] = {}  # first_rows(n) by n
         self._stack: tuple = (None, None)  # (packing, its CoreLayers): see _core_stack
         self.prepack = True
-        self.weight_kind = "float"  # "int8" or "q4" after quantize_int8
+        self.weight_kind = "float"  # "int8", "q4" or "file" after quantize_int8
         self._kv_dtype: torch.dtype | None = None  # kv_dtype's choice; None: by weights
-        # The file's layer matrices were 4-bit (a Q4 GGUF): weights="auto" may pick q4.
-        self.file_is_4bit = False
+        # The ggml types of a GGUF's layer matrices (none for other files): weights="auto"
+        # picks its candidates by them.
+        self.file_types: frozenset[str] = frozenset()
         self.compiled_step = None  # torch.compile'd forward_static (static.compile_step)
         self.static_capacity = 0  # KV slots of the compiled step's decoders (compile_steps)
         # Runs of a (bucket, cache) that compile or record, not run: the first; on CUDA the
@@ -141,24 +141,25 @@ class Model(nn.Module):
 
     @property
     def weights(self) -> str:
-        """'int8' or 'q4' after quantize_int8(), else 'float'."""
+        """'int8', 'q4' or 'file' after quantize_int8(), else 'float'."""
         return self.weight_kind
 
     @property
     def int8(self) -> bool:
-        """True once the matrices run in the core with int8 activations (int8 or q4 weights)."""
+        """True once the matrices run in the core with int8 activations (int8, q4 or file
+        weights)."""
         return self.weight_kind != "float"
 
     @property
     def in_core(self) -> bool:
         """True where passes run wholly in the core (rust/layer.rs), over a cache of
-        CORE_CACHE_DTYPES: float32 activations on CPU, with int8 or q4 weights, or with float32
+        CORE_CACHE_DTYPES: float32 activations on CPU, with quantized weights, or with float32
         weights (`FloatMatrix`) unless `prepack` is off or the passes run compiled steps."""
         cpu32 = self.dtype == torch.float32 and self.device.type == "cpu"
         return cpu32 and (self.int8 or (self.prepack and self.compiled_step is None))
 
     def _packing(self) -> str | None:
-        """What packed_weights() packs the matrices for on CPU: "core" (int8 or q4 weights, or
+        """What packed_weights() packs the matrices for on CPU: "core" (quantized weights, or
         float32 passes in the core), "oneDNN" (other dtypes, with prepack), or None (torch reads
         the plain weights)."""
         if self.device.type != "cpu":
@@ -169,7 +170,7 @@ class Model(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The dtype of a decoder's KV cache: float16 where an int8 or q4 model's passes run in
+        """The dtype of a decoder's KV cache: float16 where a quantized model's passes run in
         the core, the model's dtype elsewhere. Where passes run in the core, set it to
         torch.float16 or torch.float32 (a float16 cache halves what a pass reads at long
         context, and rounds each key and value once), or to None for the default; new decoders
@@ -322,7 +323,7 @@ class Model(nn.Module):
 
     def packed_weights(self) -> list | None:
         """Per layer (wqkv, wo, w_gate_up, w_down) and then lm_head, as the core's matrices where
-        passes run in the core (float32 on CPU: FloatMatrix, or int8 and q4 after
+        passes run in the core (float32 on CPU: FloatMatrix, or quantized after
         `quantize_int8()`), else as oneDNN-blocked weights (`_packing`).
 
         On CPU, a plain F.linear makes oneDNN re-lay out a bf16 weight on every call, and MKL's
@@ -391,7 +392,7 @@ class Model(nn.Module):
         self._plain_released = False
 
     def _pack(self, w: torch.Tensor, head: bool = False):
-        """One matrix as packed_weights() holds it: int8 or q4 (the head int8), FloatMatrix, or
+        """One matrix as packed_weights() holds it: quantized (the head int8), FloatMatrix, or
         oneDNN-blocked for 16 rows (no slower than unpacked for 1 row, faster for 4-16)."""
         if self.int8:
             return quantize(w, "int8" if head else self.weight_kind)
@@ -401,7 +402,7 @@ class Model(nn.Module):
 
     def _unpacked(self, p) -> torch.Tensor:
         """The plain matrix a packed one stands for."""
-        if isinstance(p, (Int8Matrix, Q4Matrix, FloatMatrix)):
+        if isinstance(p, CORE_MATRICES):
             return dequantize(p).to(self.dtype)
         return p.to_dense()
 
@@ -451,6 +452,9 @@ class Model(nn.Module):
         weights="q4": the layers' matrices in llama.cpp's Q4_1 (5 bits a weight; a GGUF loaded
         with q4 keeps Q4_0 matrices as Q4_0, 4.5 bits), the output matrix in int8 (a 4-bit
         vocabulary projection costs the most agreement for its bytes).
+        weights="file": a GGUF loaded with it keeps each tensor in its file's blocks
+        (formats/gguf.py); float matrices have none, so here (and where such a model packs
+        again after unpack()) they become Q8_0 (a scale per 32 weights), the output matrix int8.
 
         The quantized matrices replace the float ones (unpack() brings them back dequantized).
         Quantizing changes what the model generates, as a lower dtype does; its speculative
