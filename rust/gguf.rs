@@ -1809,3 +1809,37 @@ mod tests {
         }
     }
 }
+
+/// The machine's vpdpbusd rate, the floor of a many-row pass:
+/// `cargo test --release vpdpbusd_rate -- --ignored --nocapture` (one core).
+#[cfg(all(test, target_arch = "x86_64"))]
+mod rate {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn chains(n: usize) -> i32 {
+        // 12 independent accumulators: more than the instruction's latency times its rate
+        let (w, x) = (_mm512_set1_epi8(3), _mm512_set1_epi8(5));
+        let mut acc = [_mm512_setzero_si512(); 12];
+        for _ in 0..n {
+            for a in &mut acc {
+                *a = _mm512_dpbusd_epi32(*a, w, x);
+            }
+        }
+        acc.iter().map(|&a| _mm512_reduce_add_epi32(a)).sum()
+    }
+
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn vpdpbusd_rate() {
+        if !crate::int8::Kernel::Avx512Vnni.supported() {
+            return;
+        }
+        let n = 50_000_000;
+        let start = std::time::Instant::now();
+        // SAFETY: the CPU has AVX-512 VNNI (checked above).
+        let sum = unsafe { chains(n) };
+        let per_s = (12 * n) as f64 / start.elapsed().as_secs_f64();
+        println!("vpdpbusd zmm: {:.2} G/s on one core ({sum})", per_s / 1e9);
+    }
+}
