@@ -47,6 +47,9 @@ use half::f16;
 use crate::error::Error;
 use crate::helper::Shared;
 use crate::int8::{check_product, Activations, Kernel, Product, GROUP, PARALLEL_MIN};
+use crate::q4::chunks;
+#[cfg(target_arch = "x86_64")]
+use crate::q4::has_f16c;
 use crate::slab::WeightBuf;
 
 /// Output rows per packed block.
@@ -671,15 +674,8 @@ impl GgufMatrix {
                 }
             }
         };
-        let total = blocks.len();
-        if self.rows * self.cols < PARALLEL_MIN || total < 4 {
-            run(0..total);
-        } else {
-            let per = total.div_ceil(UNITS);
-            crate::helper::for_each(total.div_ceil(per), |u| {
-                run(u * per..((u + 1) * per).min(total));
-            });
-        }
+        let serial = self.rows * self.cols < PARALLEL_MIN || blocks.len() < 4;
+        crate::helper::in_pieces(blocks.len(), UNITS, serial, run);
         Ok(())
     }
 
@@ -900,12 +896,6 @@ fn write(
     }
 }
 
-/// n rows as chunks of at most `most`, as even as can be (as [`crate::q4`]).
-fn chunks(n: usize, most: usize) -> impl Iterator<Item = usize> {
-    let parts = n.div_ceil(most).max(1);
-    (0..parts).map(move |i| n / parts + usize::from(i < n % parts))
-}
-
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn rows_per_call(kernel: Kernel) -> usize {
     #[cfg(target_arch = "x86_64")]
@@ -913,11 +903,6 @@ fn rows_per_call(kernel: Kernel) -> usize {
         return VNNI_ROWS;
     }
     ROWS
-}
-
-#[cfg(target_arch = "x86_64")]
-fn has_f16c() -> bool {
-    is_x86_feature_detected!("f16c")
 }
 
 /// The m activation rows of a kernel call, woven (see [`Woven`]): int8 values [width / 4][m][4],

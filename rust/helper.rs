@@ -122,6 +122,20 @@ pub fn for_each(units: usize, f: impl Fn(usize) + Sync) {
     for_each_from_ends(units, |unit, _| f(unit));
 }
 
+/// Runs `run` over the ranges that cut 0..total into at most `units` pieces: on this thread
+/// alone where `serial` (a small job, which a split costs more than it saves), else on this
+/// thread and the helper ([`for_each`]).
+pub fn in_pieces(total: usize, units: usize, serial: bool, run: impl Fn(Range<usize>) + Sync) {
+    if serial || total == 0 {
+        run(0..total);
+        return;
+    }
+    let per = total.div_ceil(units);
+    for_each(total.div_ceil(per), |u| {
+        run(u * per..((u + 1) * per).min(total));
+    });
+}
+
 /// [`for_each`], telling `f` which end each unit came from: `f(unit, true)` for the units this
 /// thread takes from the front (its next is `unit + 1`), `f(unit, false)` for the helper's from
 /// the back (its next is `unit - 1`), so that a unit can fetch ahead what its thread runs next.

@@ -216,15 +216,9 @@ impl Q4Matrix {
                 }
             }
         };
-        if self.rows * self.cols < PARALLEL_MIN || blocks < 4 {
-            run(0..blocks);
-        } else {
-            // This thread and the helper (see helper.rs), a few blocks at a time.
-            let per = blocks.div_ceil(UNITS);
-            crate::helper::for_each(blocks.div_ceil(per), |u| {
-                run(u * per..((u + 1) * per).min(blocks));
-            });
-        }
+        // This thread and the helper (see helper.rs), a few blocks at a time.
+        let serial = self.rows * self.cols < PARALLEL_MIN || blocks < 4;
+        crate::helper::in_pieces(blocks, UNITS, serial, run);
         Ok(())
     }
 
@@ -381,7 +375,7 @@ impl Product for Q4Matrix {
 /// n rows as chunks of at most `most`, as even as can be: 9 rows in chunks of 8 go as 5 and 4,
 /// not 8 and 1 (a chunk of 1-2 rows takes AVX2's `dot`, whose unpacking costs 4-8 times more a
 /// multiply).
-fn chunks(n: usize, most: usize) -> impl Iterator<Item = usize> {
+pub(crate) fn chunks(n: usize, most: usize) -> impl Iterator<Item = usize> {
     let parts = n.div_ceil(most).max(1);
     (0..parts).map(move |i| n / parts + usize::from(i < n % parts))
 }
@@ -417,7 +411,7 @@ fn check_shape(rows: usize, cols: usize, len: usize) -> Result<(), Error> {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_f16c() -> bool {
+pub(crate) fn has_f16c() -> bool {
     is_x86_feature_detected!("f16c")
 }
 
