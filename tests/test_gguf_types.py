@@ -393,6 +393,37 @@ def test_auto_picks_among_float_file_and_int8_and_never_q4(mixed, tmp_path, monk
     assert isinstance(model.packed_weights()[0][0], GgufMatrix)
 
 
+def test_auto_loads_only_its_cached_choice(mixed, tmp_path, monkeypatch):
+    """Once auto has timed a file, the next load builds only the kind it chose: not the float
+    model first (a 1.5B's float32 copy takes most of a minute). The control: a cache entry for
+    other candidates (another CPU or kernel version) is not taken."""
+    import specfast.formats as formats
+    import specfast.targets.torch.int8 as int8_module
+
+    _, path, *_ = mixed
+    monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path))
+    monkeypatch.setattr(int8_module, "AUTO_MIN_WEIGHTS", 0)
+    step_ms = {"file": 1.0, "int8": 2.0, "q4": 0.5, "float": 3.0}
+    monkeypatch.setattr(int8_module, "_step_seconds", lambda model: step_ms[model.weights])
+    loaded: list[str] = []
+    real_load = formats._load
+
+    def load(path, device, dtype, weights):
+        loaded.append(weights)
+        return real_load(path, device, dtype, weights)
+
+    monkeypatch.setattr(formats, "_load", load)
+    assert specfast.load_model(path).weights == "file"
+    assert loaded[0] == "float" and "file" in loaded  # timed: every candidate built
+    loaded.clear()
+    assert specfast.load_model(path).weights == "file"
+    assert loaded == ["file"]
+    monkeypatch.setattr(int8_module, "KERNEL_VERSION", int8_module.KERNEL_VERSION + 1)
+    loaded.clear()
+    specfast.load_model(path)
+    assert loaded[0] == "float"  # a stale entry does not count
+
+
 def test_auto_candidates_by_the_files_types():
     assert auto_candidates(frozenset()) == ("int8",)  # a checkpoint folder
     assert auto_candidates(frozenset({"F16"})) == ("int8",)  # a float file

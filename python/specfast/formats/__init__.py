@@ -11,11 +11,17 @@ from pathlib import Path
 
 import torch
 
-from specfast.formats.gguf import auto_candidates, load_gguf
+from specfast.formats.gguf import auto_candidates, gguf_summary, load_gguf
 from specfast.formats.hf_folder import load_hf_folder
 from specfast.targets.base import default_model_path
 from specfast.targets.llama_cpp import load_llama
-from specfast.targets.torch.int8 import QUANTIZED, auto_float_dtype, auto_weights, check_weights
+from specfast.targets.torch.int8 import (
+    QUANTIZED,
+    auto_float_dtype,
+    auto_weights,
+    cached_weights,
+    check_weights,
+)
 from specfast.targets.torch.model import Model, resolve_device, resolve_dtype, trim_heap
 from specfast.targets.torch.static import resolve_compile, warmup
 
@@ -78,6 +84,12 @@ def load_model(
         dtype = resolve_dtype(dtype, device) if dtype != "auto" else None
         return _load(path, device, dtype, weights)
     float_dtype = resolve_dtype(dtype, device)
+    if try_int8 and path.is_file() and float_dtype != torch.bfloat16:
+        # auto's choice, timed before on this CPU: that kind alone, without the float model
+        config, types = gguf_summary(path)
+        choice = cached_weights(float_dtype, config, auto_candidates(types))
+        if choice in QUANTIZED:
+            return _load(path, device, None, choice)
     if dtype == "auto" and float_dtype == torch.bfloat16 and device.type == "cpu" and not compiled:
         model, _ = auto_float_dtype(path, lambda dtype: _load(path, device, dtype, "float"))
     else:

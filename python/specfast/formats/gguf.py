@@ -114,19 +114,10 @@ def _dequantized(tensors: dict, name: str, path: Path) -> np.ndarray:
     return np.array(w.reshape([int(d) for d in reversed(t.shape)]), dtype=np.float32)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
-    """The model in a GGUF file, its tensors dequantized to `dtype`; with weights "int8" or
-    "q4" each layer's matrices are quantized as they are read (LayerQuantizer; for q4 a 4-bit
-    tensor keeps its own values and scales), and a quantized embedding stays in its blocks.
-
-    weights="file" keeps every layer matrix in the file's own blocks (a GgufMatrix, each tensor
-    at its type), and the output matrix too (the embedding, where tied) where the core holds
-    its type, else in int8. A tensor of a type the core does not hold is requantized to Q8_0:
-    at least the bits of a 2-6 bit type; a 16- or 32-bit float loses what the 8-bit
-    activations would anyway, so a file of float layer tensors loads too, all in Q8_0."""
+def _model_config(reader, path: Path) -> tuple[ModelConfig, dict, str]:
+    """(the model's config, its tensors by name, its architecture) from a GGUF's metadata."""
     from gguf.quants import dequantize
 
-    reader = _gguf_reader(path)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(
@@ -181,6 +172,23 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: bad or missing GGUF model metadata: {e}") from None
+    return config, tensors, arch
+
+
+def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
+    """The model in a GGUF file, its tensors dequantized to `dtype`; with weights "int8" or
+    "q4" each layer's matrices are quantized as they are read (LayerQuantizer; for q4 a 4-bit
+    tensor keeps its own values and scales), and a quantized embedding stays in its blocks.
+
+    weights="file" keeps every layer matrix in the file's own blocks (a GgufMatrix, each tensor
+    at its type), and the output matrix too (the embedding, where tied) where the core holds
+    its type, else in int8. A tensor of a type the core does not hold is requantized to Q8_0:
+    at least the bits of a 2-6 bit type; a 16- or 32-bit float loses what the 8-bit
+    activations would anyway, so a file of float layer tensors loads too, all in Q8_0."""
+    reader = _gguf_reader(path)
+    config, tensors, arch = _model_config(reader, path)
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    n_heads, n_kv = config.n_heads, config.n_kv_heads
 
     # llama.cpp permutes Q/K rows for llama-arch (interleaved RoPE); qwen2/3 use NEOX RoPE as-is.
     permuted = arch in ("llama", "mistral")
@@ -312,20 +320,34 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
     model = build_model(config, ours, path)
     if embd is not None:
         table = np.array(embd.data).reshape(int(embd.shape[-1]), -1)  # (V, a row's bytes)
-        model.embed = FileEmbedding(table, embd.tensor_type, dim, dtype)
+        model.embed = FileEmbedding(table, embd.tensor_type, config.dim, dtype)
     if quantizer:
         quantizer.attach(model)
-    model.file_types = frozenset(
-        tensors[f"blk.{i}.{name}.weight"].tensor_type.name
-        for i in range(config.n_layers)
-        for name in LAYER_TENSORS
-    )
+    model.file_types = _layer_types(tensors, config.n_layers)
 
     model.tokenizer = tokenizer_from_gguf(reader, path) if tokens else None
     model.chat_template = _field(reader, "tokenizer.chat_template")
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     model.eos_token_ids = list(dict.fromkeys(int_list([e for e in eos if e is not None])))
     return model
+
+
+def _layer_types(tensors: dict, n_layers: int) -> frozenset[str]:
+    return frozenset(
+        tensors[f"blk.{i}.{name}.weight"].tensor_type.name
+        for i in range(n_layers)
+        for name in LAYER_TENSORS
+    )
+
+
+def gguf_summary(path: Path) -> tuple[ModelConfig, frozenset[str]]:
+    """(the config, the layer matrices' ggml types) of a GGUF file, from its metadata and tensor
+    table only: what weights="auto" needs to find its cached choice before loading anything."""
+    config, tensors, _ = _model_config(_gguf_reader(path), path)
+    try:
+        return config, _layer_types(tensors, config.n_layers)
+    except KeyError as e:
+        raise ValueError(f"{path}: a layer tensor is missing from the GGUF file: {e}") from None
 
 
 def auto_candidates(types: frozenset[str]) -> tuple[str, ...]:

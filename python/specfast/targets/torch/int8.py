@@ -166,13 +166,25 @@ def auto_weights(
     loaders: dict[str, Callable[[], Any]] = {"float": lambda: model}
     for kind in kinds:
         loaders[kind] = functools.partial(load, kind)
-    c = model.config
-    shape = (c.dim, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size)
-    choice, fastest, entry = _fastest(_key(model.dtype, shape, kinds), loaders)
+    choice, fastest, entry = _fastest(_weights_key(model.dtype, model.config, kinds), loaders)
     entry = {"weights": choice, "float_dtype": str(model.dtype), **entry}
     if choice == "float":
         return model, entry
     return (load(choice) if fastest is None else fastest), entry
+
+
+def cached_weights(dtype: torch.dtype, config, kinds: tuple[str, ...]) -> str | None:
+    """auto_weights' choice for a model of `config` at `dtype` among `kinds` on this CPU, where
+    it was timed before: the loader can then load that kind alone, not the float model first
+    (a 1.5B model's float32 copy takes most of a minute to build)."""
+    hit = _read_cache().get(_weights_key(dtype, config, kinds))
+    return hit.get("choice") if isinstance(hit, dict) else None
+
+
+def _weights_key(dtype: torch.dtype, config, kinds: tuple[str, ...]) -> str:
+    c = config
+    shape = (c.dim, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size)
+    return _key(dtype, shape, kinds)
 
 
 def auto_float_dtype(source: Path, load: Callable[[torch.dtype], Any]) -> tuple[Any, dict]:
