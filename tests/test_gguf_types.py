@@ -408,9 +408,9 @@ def test_auto_loads_only_its_cached_choice(mixed, tmp_path, monkeypatch):
     loaded: list[str] = []
     real_load = formats._load
 
-    def load(path, device, dtype, weights):
+    def load(path, device, dtype, weights, reader=None):
         loaded.append(weights)
-        return real_load(path, device, dtype, weights)
+        return real_load(path, device, dtype, weights, reader)
 
     monkeypatch.setattr(formats, "_load", load)
     assert specfast.load_model(path).weights == "file"

@@ -86,10 +86,10 @@ def load_model(
     float_dtype = resolve_dtype(dtype, device)
     if try_int8 and path.is_file() and float_dtype != torch.bfloat16:
         # auto's choice, timed before on this CPU: that kind alone, without the float model
-        config, types = gguf_summary(path)
+        config, types, reader = gguf_summary(path)
         choice = cached_weights(float_dtype, config, auto_candidates(types))
         if choice in QUANTIZED:
-            return _load(path, device, None, choice)
+            return _load(path, device, None, choice, reader)
     if dtype == "auto" and float_dtype == torch.bfloat16 and device.type == "cpu" and not compiled:
         model, _ = auto_float_dtype(path, lambda dtype: _load(path, device, dtype, "float"))
     else:
@@ -105,8 +105,9 @@ def load_model(
     return model
 
 
-def _load(path: Path, device, dtype, weights: str) -> Model:
-    """The model at `path` in `dtype` (None: float32), with quantized weights if asked."""
+def _load(path: Path, device, dtype, weights: str, reader=None) -> Model:
+    """The model at `path` in `dtype` (None: float32), with quantized weights if asked
+    (`reader`: a GGUF file's reader, already open)."""
     dtype = torch.float32 if dtype is None else dtype
     # Quantized as read, where the model stays on the CPU in float32 (the core's activations):
     # a float copy of the whole model never exists. A file's own blocks can only be read.
@@ -116,7 +117,7 @@ def _load(path: Path, device, dtype, weights: str) -> Model:
     if path.is_dir():
         model = load_hf_folder(path, dtype, as_read)
     elif path.is_file():
-        model = load_gguf(path, dtype, as_read)
+        model = load_gguf(path, dtype, as_read, reader)
     else:
         raise FileNotFoundError(f"no model at {path}: expected a GGUF file or a checkpoint folder")
     if model.device != torch.device(device) or model.dtype != dtype:

@@ -175,7 +175,7 @@ def _model_config(reader, path: Path) -> tuple[ModelConfig, dict, str]:
     return config, tensors, arch
 
 
-def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
+def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", reader=None) -> Model:
     """The model in a GGUF file, its tensors dequantized to `dtype`; with weights "int8" or
     "q4" each layer's matrices are quantized as they are read (LayerQuantizer; for q4 a 4-bit
     tensor keeps its own values and scales), and a quantized embedding stays in its blocks.
@@ -184,8 +184,9 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float") -> Model:
     at its type), and the output matrix too (the embedding, where tied) where the core holds
     its type, else in int8. A tensor of a type the core does not hold is requantized to Q8_0:
     at least the bits of a 2-6 bit type; a 16- or 32-bit float loses what the 8-bit
-    activations would anyway, so a file of float layer tensors loads too, all in Q8_0."""
-    reader = _gguf_reader(path)
+    activations would anyway, so a file of float layer tensors loads too, all in Q8_0. `reader`:
+    the file's GGUFReader, where the caller has opened it already."""
+    reader = _gguf_reader(path) if reader is None else reader
     config, tensors, arch = _model_config(reader, path)
     tokens = _field(reader, "tokenizer.ggml.tokens")
     n_heads, n_kv = config.n_heads, config.n_kv_heads
@@ -340,12 +341,15 @@ def _layer_types(tensors: dict, n_layers: int) -> frozenset[str]:
     )
 
 
-def gguf_summary(path: Path) -> tuple[ModelConfig, frozenset[str]]:
-    """(the config, the layer matrices' ggml types) of a GGUF file, from its metadata and tensor
-    table only: what weights="auto" needs to find its cached choice before loading anything."""
-    config, tensors, _ = _model_config(_gguf_reader(path), path)
+def gguf_summary(path: Path):
+    """(the config, the layer matrices' ggml types, the file's reader) of a GGUF file, from its
+    metadata and tensor table only: what weights="auto" needs to find its cached choice before
+    loading anything. The reader goes on to load_gguf: opening one parses every metadata
+    field (8 s for a 151,936-token vocabulary)."""
+    reader = _gguf_reader(path)
+    config, tensors, _ = _model_config(reader, path)
     try:
-        return config, _layer_types(tensors, config.n_layers)
+        return config, _layer_types(tensors, config.n_layers), reader
     except KeyError as e:
         raise ValueError(f"{path}: a layer tensor is missing from the GGUF file: {e}") from None
 
