@@ -47,9 +47,9 @@ use half::f16;
 use crate::error::Error;
 use crate::helper::Shared;
 use crate::int8::{check_product, Activations, Kernel, Product, GROUP, PARALLEL_MIN};
-use crate::q4::chunks;
 #[cfg(target_arch = "x86_64")]
 use crate::q4::has_f16c;
+use crate::q4::{chunks, write_block};
 use crate::slab::WeightBuf;
 
 /// Output rows per packed block.
@@ -799,45 +799,23 @@ struct Woven {
 
 impl Woven {
     fn new(acts: &Activations, n: usize, width: usize, parts: &[Part], most: usize) -> Woven {
-        let has = |t: BlockType| parts.iter().any(|p| p.kind == t);
+        let needs = |f: fn(u8) -> bool| parts.iter().any(|p| f(p.kind.id()));
         let groups = width / GROUP;
-        let (q, sums) = (&acts.q[..n * width], &acts.sums[..n * groups]);
-        let per_row = |f: &dyn Fn(usize, usize) -> f32| -> Vec<f32> {
-            (0..n * groups)
-                .map(|at| f(at / groups, at % groups))
-                .collect()
-        };
+        let (q, scales, sums) = (&acts.q[..n * width], &acts.scales, &acts.sums);
         let sum16 = |r: usize, j: usize| -> i32 {
             q[r * width + 16 * j..r * width + 16 * j + 16]
                 .iter()
                 .map(|&v| i32::from(v))
                 .sum()
         };
+        let sized = |yes: bool, len: usize| if yes { len } else { 0 };
         let mut w = Woven {
             xs: vec![0; n * width],
             sx: vec![0.0; n * groups],
-            xsum: vec![],
-            start16: vec![],
-            start32: vec![],
+            xsum: vec![0.0; sized(needs(has_min), n * groups)],
+            start16: vec![0; sized(needs(|t| t == Q6K), 2 * n * groups)],
+            start32: vec![0; sized(needs(|t| small(t) && offset(t) > 0), n * groups)],
         };
-        let sx = per_row(&|r, g| acts.scales[r * groups + g]);
-        let xsum = if parts.iter().any(|p| has_min(p.kind.id())) {
-            per_row(&|r, g| acts.scales[r * groups + g] * sums[r * groups + g] as f32)
-        } else {
-            vec![]
-        };
-        if !xsum.is_empty() {
-            w.xsum = vec![0.0; n * groups];
-        }
-        if has(BlockType::Q6K) {
-            w.start16 = vec![0; 2 * n * groups];
-        }
-        if parts
-            .iter()
-            .any(|p| small(p.kind.id()) && offset(p.kind.id()) > 0)
-        {
-            w.start32 = vec![0; n * groups];
-        }
         let mut r0 = 0;
         for m in chunks(n, most) {
             for i in 0..m {
@@ -847,13 +825,13 @@ impl Woven {
                     w.xs[to..to + 4].copy_from_slice(&q[r * width + k..r * width + k + 4]);
                 }
                 for g in 0..groups {
-                    let to = r0 * groups + g * m + i;
-                    w.sx[to] = sx[r * groups + g];
+                    let (to, at) = (r0 * groups + g * m + i, r * groups + g);
+                    w.sx[to] = scales[at];
                     if !w.xsum.is_empty() {
-                        w.xsum[to] = xsum[r * groups + g];
+                        w.xsum[to] = scales[at] * sums[at] as f32;
                     }
                     if !w.start32.is_empty() {
-                        w.start32[to] = -sums[r * groups + g];
+                        w.start32[to] = -sums[at];
                     }
                 }
                 for j in 0..2 * groups {
@@ -880,20 +858,8 @@ fn write(
     bad: &[bool],
     out: &Shared<'_, f32>,
 ) {
-    let o0 = p.row0 + b * BLOCK;
     let width = BLOCK.min(p.rows - b * BLOCK);
-    for i in 0..m {
-        let r = r0 + i;
-        let at = r * rows + o0;
-        // SAFETY: each call writes only columns [o0, o0 + width) of its rows, a range no other
-        // call writes.
-        let row = unsafe { out.part(at..at + width) };
-        if bad[r] {
-            row.fill(f32::NAN);
-        } else {
-            row.copy_from_slice(&acc[i * BLOCK..i * BLOCK + width]);
-        }
-    }
+    write_block(out, rows, p.row0 + b * BLOCK, width, r0, m, acc, bad);
 }
 
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]

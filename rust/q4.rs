@@ -343,19 +343,34 @@ impl Q4Matrix {
         bad: &[bool],
         out: &Shared<'_, f32>,
     ) {
-        let o0 = b * BLOCK;
-        let width = BLOCK.min(self.rows - o0);
-        for i in 0..m {
-            let r = r0 + i;
-            // SAFETY: each call writes only columns [o0, o0 + width) of its rows, a range no
-            // other call writes.
-            let at = r * self.rows + o0;
-            let row = unsafe { out.part(at..at + width) };
-            if bad[r] {
-                row.fill(f32::NAN);
-            } else {
-                row.copy_from_slice(&acc[i * BLOCK..i * BLOCK + width]);
-            }
+        let width = BLOCK.min(self.rows - b * BLOCK);
+        write_block(out, self.rows, b * BLOCK, width, r0, m, acc, bad);
+    }
+}
+
+/// Writes a block's outputs `acc` ([i][16]) into columns o0..o0 + width of rows r0..r0 + m of
+/// `out` (rows of `rows`), NaN for the rows of x that were not finite.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn write_block(
+    out: &Shared<'_, f32>,
+    rows: usize,
+    o0: usize,
+    width: usize,
+    r0: usize,
+    m: usize,
+    acc: &[f32],
+    bad: &[bool],
+) {
+    for i in 0..m {
+        let r = r0 + i;
+        let at = r * rows + o0;
+        // SAFETY: a product's calls each write only columns [o0, o0 + width) of their rows, a
+        // range no other call writes.
+        let row = unsafe { out.part(at..at + width) };
+        if bad[r] {
+            row.fill(f32::NAN);
+        } else {
+            row.copy_from_slice(&acc[i * BLOCK..i * BLOCK + width]);
         }
     }
 }
