@@ -13,13 +13,20 @@
 //! | Q4_0, Q5_0 | 4.5, 5.5 | d·(u - 8), d·(u - 16) | 32 |
 //! | Q4_1, Q5_1 | 5, 6 | d·u + m | 32 |
 //!
-//! Activations are int8, quantized at every call with one scale sx per row and group of 32 (as
-//! in [`crate::int8`]). A sub-block's integer sum s = Σ u·xq - offset · Σ xq (the offset above:
-//! 32 for Q6_K, 128 for Q8_0, 8 and 16 for Q4_0 and Q5_0) is exact, and then, in every code path
-//! alike, per sub-block in order, `acc += (s as f32) * (A * sx)` with A = d·sc (exact in f32: an
-//! f16 times a 6- or 8-bit integer) or d, and for the types with a minimum per group
-//! `acc += B * (sx · Σ xq)` with B = -(dmin·mn) or m. So a row of a pass depends only on its own
-//! input row, and the scalar, AVX2 and AVX-512 VNNI paths give the same bits.
+//! Activations are int8, quantized at every call, each row on its own: for the small types
+//! with one scale sx per group of 32 (as in [`crate::int8`]), for the K types with one per
+//! super-block of 256 (as ggml's Q8_K does). A sub-block's integer sum s = Σ u·xq - offset ·
+//! Σ xq (the offset above: 32 for Q6_K, 128 for Q8_0, 8 and 16 for Q4_0 and Q5_0) is exact.
+//! Then, in every code path alike:
+//! - small types, per group in order: `acc += (s as f32) * (d * sx)`, and for Q4_1 and Q5_1
+//!   `acc += m * (sx · Σ xq)`;
+//! - K types, per super-block in order: the integers S = Σ sc·s over its sub-blocks and (Q4_K,
+//!   Q5_K) M = Σ mn·Σ xq over its groups, then `acc += (S as f32) * (d * sx)` and
+//!   `acc -= (M as f32) * (dmin * sx)`. One float step a super-block, not one a group: in a
+//!   pass of 9 rows the per-group steps had cost about a third of the kernels' time.
+//!
+//! So a row of a pass depends only on its own input row, and the scalar, AVX2 and AVX-512
+//! VNNI paths give the same bits.
 //!
 //! A matrix is a stack of parts by rows, each of one type (a fused q/k/v matrix of a Q4_K_M file
 //! holds Q4_K and Q6_K tensors, or Q5_0 and Q8_0); a part but the last holds whole blocks of 16
@@ -634,9 +641,9 @@ impl GgufMatrix {
         match t {
             Q4K | Q5K => {
                 let (sc, mn) = (sub_scale(rec, t, g, 0, lane), sub_scale(rec, t, g, 1, lane));
-                (d * sc) * u - min_of(rec, t, g, lane, un) * mn
+                (d * sc as f32) * u - min_of(rec, t, g, lane, un) * mn as f32
             }
-            Q6K => (d * sub_scale(rec, t, g, (k % GROUP) / 16, lane)) * (u - 32.0),
+            Q6K => (d * sub_scale(rec, t, g, (k % GROUP) / 16, lane) as f32) * (u - 32.0),
             Q4_1 | Q5_1 => d * u + min_of(rec, t, g, lane, un),
             _ => d * (u - offset(t) as f32),
         }
@@ -655,9 +662,20 @@ impl GgufMatrix {
         if n == 0 {
             return Ok(());
         }
-        let acts = Activations::quantize(x, n, self.cols, self.width);
         let most = rows_per_call(kernel);
-        let woven = Woven::new(&acts, n, self.width, &self.parts, most);
+        // The K types take activations with a scale per 256 features, the others per 32: each
+        // scheme quantized once a call, where some part needs it.
+        let needs = |k: bool| self.parts.iter().any(|p| small(p.kind.id()) != k);
+        let super_acts = needs(true).then(|| SuperActs::quantize(x, n, self.cols, self.width));
+        let acts = needs(false).then(|| Activations::quantize(x, n, self.cols, self.width));
+        let woven_k =
+            (super_acts.as_ref()).map(|a| Woven::new_k(a, n, self.width, &self.parts, most));
+        let woven = (acts.as_ref()).map(|a| Woven::new(a, n, self.width, &self.parts, most));
+        let bad = match (&super_acts, &acts) {
+            (Some(a), _) => &a.bad,
+            (None, Some(a)) => &a.bad,
+            (None, None) => unreachable!("a matrix has parts"),
+        };
         let blocks: Vec<(usize, usize)> = (self.parts.iter().enumerate())
             .flat_map(|(i, p)| (0..p.blocks()).map(move |b| (i, b)))
             .collect();
@@ -667,9 +685,11 @@ impl GgufMatrix {
             for &(i, b) in &blocks[range] {
                 let p = &self.parts[i];
                 let mut r0 = 0;
+                let woven = if small(p.kind.id()) { &woven } else { &woven_k };
+                let woven = woven.as_ref().expect("quantized for every part's scheme");
                 for m in chunks(n, most) {
-                    self.dot_block(kernel, p, b, &woven, r0, m, &mut acc);
-                    write(self.rows, p, b, r0, m, &acc, &acts.bad, &out);
+                    self.dot_block(kernel, p, b, woven, r0, m, &mut acc);
+                    write(self.rows, p, b, r0, m, &acc, bad, &out);
                     r0 += m;
                 }
             }
@@ -695,13 +715,16 @@ impl GgufMatrix {
         let rb = p.kind.record_bytes();
         let w = &p.packed[b * records * rb..(b + 1) * records * rb];
         let groups = self.width / GROUP;
+        let scales = if small(p.kind.id()) {
+            groups
+        } else {
+            self.width / SUPER
+        };
         let rows = Rows {
             xs: &woven.xs[r0 * self.width..(r0 + m) * self.width],
-            sx: &woven.sx[r0 * groups..(r0 + m) * groups],
-            xsum: woven
-                .xsum
-                .get(r0 * groups..(r0 + m) * groups)
-                .unwrap_or(&[]),
+            sx: &woven.sx[r0 * scales..(r0 + m) * scales],
+            xsum: (woven.xsum.get(r0 * groups..(r0 + m) * groups)).unwrap_or(&[]),
+            pairs: (woven.pairs.get(4 * r0 * scales..4 * (r0 + m) * scales)).unwrap_or(&[]),
             start: match p.kind.id() {
                 Q6K => &woven.start16[r0 * 2 * groups..(r0 + m) * 2 * groups],
                 t if small(t) && offset(t) > 0 => &woven.start32[r0 * groups..(r0 + m) * groups],
@@ -727,33 +750,51 @@ impl GgufMatrix {
         }
         #[cfg(target_arch = "x86_64")]
         macro_rules! vnni {
-            ($t:ident) => {
-                match m {
-                    1 => x86::dot_vnni::<1, $t>(w, &rows, acc),
-                    2 => x86::dot_vnni::<2, $t>(w, &rows, acc),
-                    3 => x86::dot_vnni::<3, $t>(w, &rows, acc),
-                    4 => x86::dot_vnni::<4, $t>(w, &rows, acc),
-                    5 => x86::dot_vnni::<5, $t>(w, &rows, acc),
-                    6 => x86::dot_vnni::<6, $t>(w, &rows, acc),
-                    7 => x86::dot_vnni::<7, $t>(w, &rows, acc),
-                    8 => x86::dot_vnni::<8, $t>(w, &rows, acc),
-                    9 => x86::dot_vnni::<9, $t>(w, &rows, acc),
-                    _ => x86::dot_vnni::<10, $t>(w, &rows, acc),
+            ($t:ident) => {{
+                macro_rules! call {
+                    ($r:literal) => {
+                        if small($t) {
+                            x86::dot_vnni::<$r, $t>(w, &rows, acc)
+                        } else {
+                            x86::dot_vnni_k::<$r, $t>(w, &rows, acc)
+                        }
+                    };
                 }
-            };
+                match m {
+                    1 => call!(1),
+                    2 => call!(2),
+                    3 => call!(3),
+                    4 => call!(4),
+                    5 => call!(5),
+                    6 => call!(6),
+                    7 => call!(7),
+                    8 => call!(8),
+                    9 => call!(9),
+                    _ => call!(10),
+                }
+            }};
         }
         #[cfg(target_arch = "x86_64")]
         macro_rules! ymm {
-            ($t:ident) => {
+            ($t:ident) => {{
+                macro_rules! call {
+                    ($r:literal, $half:expr) => {
+                        if small($t) {
+                            x86::dot_half::<$r, $t>(w, $half, &rows, acc)
+                        } else {
+                            x86::dot_half_k::<$r, $t>(w, $half, &rows, acc)
+                        }
+                    };
+                }
                 for half in 0..2 {
                     match m {
-                        1 => x86::dot_half::<1, $t>(w, half, &rows, acc),
-                        2 => x86::dot_half::<2, $t>(w, half, &rows, acc),
-                        3 => x86::dot_half::<3, $t>(w, half, &rows, acc),
-                        _ => x86::dot_half::<4, $t>(w, half, &rows, acc),
+                        1 => call!(1, half),
+                        2 => call!(2, half),
+                        3 => call!(3, half),
+                        _ => call!(4, half),
                     }
                 }
-            };
+            }};
         }
         match kernel {
             #[cfg(target_arch = "x86_64")]
@@ -765,7 +806,8 @@ impl GgufMatrix {
             Kernel::Avx2 | Kernel::AvxVnni | Kernel::Avx512Vnni if has_f16c() => unsafe {
                 types!(ymm);
             },
-            _ => dot_scalar(w, p.kind.id(), &rows, m, acc),
+            _ if small(p.kind.id()) => dot_scalar(w, p.kind.id(), &rows, m, acc),
+            _ => dot_scalar_k(w, p.kind.id(), &rows, m, acc),
         }
     }
 }
@@ -782,50 +824,118 @@ impl Product for GgufMatrix {
     }
 }
 
+/// Features a K type's activation scale covers: its super-block (a record).
+const SUPER: usize = 256;
+
+/// Activations for the K types: int8 with one scale a row and super-block of 256 features (as
+/// ggml's Q8_K), so a super-block's sub-block sums meet their integer scales in integers, and
+/// Σ xq per 16 features.
+struct SuperActs {
+    q: Vec<i8>,
+    scales: Vec<f32>, // (n, width / 256)
+    sums16: Vec<i32>, // (n, width / 16)
+    bad: Vec<bool>,
+}
+
+impl SuperActs {
+    /// Quantizes x (n, cols); the K types' cols are whole super-blocks, so width = cols.
+    fn quantize(x: &[f32], n: usize, cols: usize, width: usize) -> SuperActs {
+        assert!(cols == width && width.is_multiple_of(SUPER));
+        let sbs = width / SUPER;
+        let mut a = SuperActs {
+            q: vec![0; n * width],
+            scales: vec![0.0; n * sbs],
+            sums16: vec![0; n * width / 16],
+            bad: vec![false; n],
+        };
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = is_x86_feature_detected!("avx512f");
+        for (r, row) in x[..n * cols].chunks_exact(cols).enumerate() {
+            a.bad[r] = row.iter().any(|v| !v.is_finite());
+            for s in 0..sbs {
+                let (lo, hi) = (r * width + s * SUPER, r * width + (s + 1) * SUPER);
+                let (xs, q) = (&row[s * SUPER..(s + 1) * SUPER], &mut a.q[lo..hi]);
+                let sums = &mut a.sums16[lo / 16..hi / 16];
+                #[cfg(target_arch = "x86_64")]
+                if avx512 {
+                    // SAFETY: the CPU has AVX-512F (checked above); the slices hold one
+                    // super-block.
+                    a.scales[r * sbs + s] = unsafe { x86::quantize_super(xs, q, sums) };
+                    continue;
+                }
+                a.scales[r * sbs + s] = crate::int8::quantize(xs, q);
+                for (sum, q) in sums.iter_mut().zip(q.chunks_exact(16)) {
+                    *sum = q.iter().map(|&v| i32::from(v)).sum();
+                }
+            }
+        }
+        a
+    }
+}
+
 /// A pass's activations as the kernels read them, each chunk of rows that one kernel call takes
 /// (`chunks(n, most)`) woven together: for a chunk of m rows, the int8 values as [width / 4][m][4]
 /// (a run of 4 features of every row side by side, so a kernel reaches row i's at a constant
-/// offset from one pointer, not through a register a row), and per row sx, sx · Σ xq
-/// (the minimum term's), -32 Σ xq per 16 (Q6_K's start) and -Σ xq per group (times the offset:
-/// Q4_0's, Q5_0's and Q8_0's start)
-/// (Q8_0's) as [sub-blocks][m]; each of the last three empty where no part needs it.
+/// offset from one pointer, not through a register a row), and per row, as [..][m]:
+/// - for the small types ([`Woven::new`]): per group sx, sx · Σ xq (the minimum term's) and
+///   -Σ xq (times the offset: Q4_0's, Q5_0's and Q8_0's start);
+/// - for the K types ([`Woven::new_k`]): per super-block sx, the groups' Σ xq in i16 pairs (the
+///   minimum term's, 4 a super-block) and -32 Σ xq per 16 (Q6_K's start);
+///
+/// each list empty where no part needs it.
 struct Woven {
     xs: Vec<i8>,
     sx: Vec<f32>,
     xsum: Vec<f32>,
+    pairs: Vec<i32>,
     start16: Vec<i32>,
     start32: Vec<i32>,
 }
 
+/// The int8 values of n rows (n, width), woven chunk by chunk as [width / 4][m][4].
+fn weave(q: &[i8], n: usize, width: usize, most: usize) -> Vec<i8> {
+    let mut xs = vec![0; n * width];
+    let mut r0 = 0;
+    for m in chunks(n, most) {
+        for i in 0..m {
+            let r = r0 + i;
+            for k in (0..width).step_by(4) {
+                let to = r0 * width + k * m + 4 * i;
+                xs[to..to + 4].copy_from_slice(&q[r * width + k..r * width + k + 4]);
+            }
+        }
+        r0 += m;
+    }
+    xs
+}
+
+fn sized(yes: bool, len: usize) -> usize {
+    if yes {
+        len
+    } else {
+        0
+    }
+}
+
 impl Woven {
+    /// The small types' scheme, from activations with a scale per group of 32.
     fn new(acts: &Activations, n: usize, width: usize, parts: &[Part], most: usize) -> Woven {
-        let needs = |f: fn(u8) -> bool| parts.iter().any(|p| f(p.kind.id()));
+        let needs = |f: fn(u8) -> bool| parts.iter().any(|p| small(p.kind.id()) && f(p.kind.id()));
         let groups = width / GROUP;
-        let (q, scales, sums) = (&acts.q[..n * width], &acts.scales, &acts.sums);
-        let sum16 = |r: usize, j: usize| -> i32 {
-            q[r * width + 16 * j..r * width + 16 * j + 16]
-                .iter()
-                .map(|&v| i32::from(v))
-                .sum()
-        };
-        let sized = |yes: bool, len: usize| if yes { len } else { 0 };
+        let (scales, sums) = (&acts.scales, &acts.sums);
         let mut w = Woven {
-            xs: vec![0; n * width],
+            xs: weave(&acts.q, n, width, most),
             sx: vec![0.0; n * groups],
             xsum: vec![0.0; sized(needs(has_min), n * groups)],
-            start16: vec![0; sized(needs(|t| t == Q6K), 2 * n * groups)],
-            start32: vec![0; sized(needs(|t| small(t) && offset(t) > 0), n * groups)],
+            pairs: Vec::new(),
+            start16: Vec::new(),
+            start32: vec![0; sized(needs(|t| offset(t) > 0), n * groups)],
         };
         let mut r0 = 0;
         for m in chunks(n, most) {
             for i in 0..m {
-                let r = r0 + i;
-                for k in (0..width).step_by(4) {
-                    let to = r0 * width + k * m + 4 * i;
-                    w.xs[to..to + 4].copy_from_slice(&q[r * width + k..r * width + k + 4]);
-                }
                 for g in 0..groups {
-                    let (to, at) = (r0 * groups + g * m + i, r * groups + g);
+                    let (to, at) = (r0 * groups + g * m + i, (r0 + i) * groups + g);
                     w.sx[to] = scales[at];
                     if !w.xsum.is_empty() {
                         w.xsum[to] = scales[at] * sums[at] as f32;
@@ -834,9 +944,44 @@ impl Woven {
                         w.start32[to] = -sums[at];
                     }
                 }
-                for j in 0..2 * groups {
-                    if !w.start16.is_empty() {
-                        w.start16[2 * r0 * groups + j * m + i] = -32 * sum16(r, j);
+            }
+            r0 += m;
+        }
+        w
+    }
+
+    /// The K types' scheme, from activations with a scale per super-block of 256.
+    fn new_k(acts: &SuperActs, n: usize, width: usize, parts: &[Part], most: usize) -> Woven {
+        let needs = |f: fn(u8) -> bool| parts.iter().any(|p| !small(p.kind.id()) && f(p.kind.id()));
+        let (groups, sbs) = (width / GROUP, width / SUPER);
+        let mut w = Woven {
+            xs: weave(&acts.q, n, width, most),
+            sx: vec![0.0; n * sbs],
+            xsum: Vec::new(),
+            pairs: vec![0; sized(needs(has_min), 4 * n * sbs)],
+            start16: vec![0; sized(needs(|t| t == Q6K), 2 * n * groups)],
+            start32: Vec::new(),
+        };
+        let mut r0 = 0;
+        for m in chunks(n, most) {
+            for i in 0..m {
+                let r = r0 + i;
+                let sum16 = |j: usize| acts.sums16[r * 2 * groups + j];
+                let group = |g: usize| sum16(2 * g) + sum16(2 * g + 1);
+                for s in 0..sbs {
+                    w.sx[r0 * sbs + s * m + i] = acts.scales[r * sbs + s];
+                }
+                if !w.pairs.is_empty() {
+                    for k in 0..4 * sbs {
+                        // |Σ xq| of a group ≤ 32 · 127: an i16
+                        let (lo, hi) = (group(2 * k) as i16, group(2 * k + 1) as i16);
+                        w.pairs[4 * r0 * sbs + k * m + i] =
+                            i32::from(lo as u16) | (i32::from(hi) << 16);
+                    }
+                }
+                if !w.start16.is_empty() {
+                    for j in 0..2 * groups {
+                        w.start16[2 * r0 * groups + j * m + i] = -32 * sum16(j);
                     }
                 }
             }
@@ -872,13 +1017,15 @@ fn rows_per_call(kernel: Kernel) -> usize {
 }
 
 /// The m activation rows of a kernel call, woven (see [`Woven`]): int8 values [width / 4][m][4],
-/// per group sx and (Q4_K/Q5_K) sx · Σ xq [groups][m], and the integer sums' starts (Q6_K:
-/// [2 · groups][m], Q8_0: [groups][m]).
+/// sx per group (small types) or super-block (K types), sx · Σ xq per group (Q4_1, Q5_1), the
+/// groups' Σ xq in i16 pairs (Q4_K, Q5_K), and the integer sums' starts (Q6_K: [2 · groups][m],
+/// Q4_0, Q5_0, Q8_0: [groups][m]).
 #[derive(Clone, Copy)]
 struct Rows<'a> {
     xs: &'a [i8],
     sx: &'a [f32],
     xsum: &'a [f32],
+    pairs: &'a [i32],
     start: &'a [i32],
     width: usize,
     unscale: [f32; 2],
@@ -895,12 +1042,12 @@ fn min_of(rec: &[u8], t: u8, j: usize, lane: usize, unscale: [f32; 2]) -> f32 {
 }
 
 /// Group g's sub-scale j of row `lane` (K types: j 0 is sc, 1 is mn; Q6_K: sub-block j's sc).
-fn sub_scale(rec: &[u8], t: u8, g: usize, j: usize, lane: usize) -> f32 {
+fn sub_scale(rec: &[u8], t: u8, g: usize, j: usize, lane: usize) -> i32 {
     let v = rec[scales_at(t) + g * 32 + 16 * j + lane];
     if t == Q6K {
-        f32::from(v.cast_signed())
+        i32::from(v.cast_signed())
     } else {
-        f32::from(v)
+        i32::from(v)
     }
 }
 
@@ -925,10 +1072,10 @@ fn woven_at(f: usize, i: usize, m: usize) -> usize {
     (f / 4) * 4 * m + 4 * i + f % 4
 }
 
-/// The portable kernel, and the order every other one keeps.
+/// The portable kernel for the small types, and the order every other one keeps: per group,
+/// `acc += (s as f32) * (d * sx)`, then `acc += B * (sx · Σ xq)` (Q4_1, Q5_1).
 fn dot_scalar(w: &[u8], t: u8, rows: &Rows<'_>, m: usize, acc: &mut [f32]) {
-    let bt = BlockType::ALL[t as usize];
-    let (rc, rb) = (bt.record_cols(), bt.record_bytes());
+    let (rc, rb) = (record_cols(t), record_bytes(t));
     let (groups, un) = (rows.width / GROUP, rows.unscale);
     for i in 0..m {
         for lane in 0..BLOCK {
@@ -936,41 +1083,76 @@ fn dot_scalar(w: &[u8], t: u8, rows: &Rows<'_>, m: usize, acc: &mut [f32]) {
             for g in 0..groups {
                 let (s, j) = (g * GROUP / rc, g % (rc / GROUP));
                 let rec = &w[s * rb..(s + 1) * rb];
-                let sx = rows.sx[g * m + i];
-                let dot = |lo: usize, hi: usize, start: i32| {
-                    (lo..hi).fold(start, |acc, k| {
-                        acc + i32::from(value(rec, t, lane, j * GROUP + k))
-                            * i32::from(rows.xs[woven_at(g * GROUP + k, i, m)])
-                    })
-                };
-                let d = d_of(rec, t, j, lane, un);
-                if t == Q6K {
-                    for sub in 0..2 {
-                        let a = d * sub_scale(rec, t, j, sub, lane);
-                        let start = rows.start[(2 * g + sub) * m + i];
-                        total += (dot(16 * sub, 16 * sub + 16, start) as f32) * (a * sx);
-                    }
-                    continue;
-                }
-                let k_type = matches!(t, Q4K | Q5K);
-                let a = if k_type {
-                    d * sub_scale(rec, t, j, 0, lane)
-                } else {
-                    d
-                };
                 let start = if offset(t) > 0 {
                     offset(t) * rows.start[g * m + i]
                 } else {
                     0
                 };
-                total += (dot(0, 32, start) as f32) * (a * sx);
+                let dot = group_dot(rec, t, rows, g, j, i, m, lane, 0..GROUP, start);
+                total += (dot as f32) * (d_of(rec, t, j, lane, un) * rows.sx[g * m + i]);
                 if has_min(t) {
-                    let b = if k_type {
-                        0.0 - min_of(rec, t, j, lane, un) * sub_scale(rec, t, j, 1, lane)
-                    } else {
-                        min_of(rec, t, j, lane, un)
-                    };
-                    total += b * rows.xsum[g * m + i];
+                    total += min_of(rec, t, j, lane, un) * rows.xsum[g * m + i];
+                }
+            }
+            acc[i * BLOCK + lane] = total;
+        }
+    }
+}
+
+/// start + Σ u · xq over features `k` of group j of a record (group g of the row), for row i
+/// of m and output row `lane`.
+#[allow(clippy::too_many_arguments)]
+fn group_dot(
+    rec: &[u8],
+    t: u8,
+    rows: &Rows<'_>,
+    g: usize,
+    j: usize,
+    i: usize,
+    m: usize,
+    lane: usize,
+    k: std::ops::Range<usize>,
+    start: i32,
+) -> i32 {
+    k.fold(start, |acc, k| {
+        acc + i32::from(value(rec, t, lane, j * GROUP + k))
+            * i32::from(rows.xs[woven_at(g * GROUP + k, i, m)])
+    })
+}
+
+/// The portable kernel for the K types, and the order every other one keeps. Per super-block:
+/// the integers S = Σ sc · s over its sub-blocks and (Q4_K, Q5_K) M = Σ mn · Σ xq over its
+/// groups, then `acc += (S as f32) * (d * sx)` and `acc -= (M as f32) * (dmin * sx)`.
+fn dot_scalar_k(w: &[u8], t: u8, rows: &Rows<'_>, m: usize, acc: &mut [f32]) {
+    let rb = record_bytes(t);
+    let un = rows.unscale;
+    for i in 0..m {
+        for lane in 0..BLOCK {
+            let mut total = 0.0f32;
+            for s in 0..rows.width / SUPER {
+                let rec = &w[s * rb..(s + 1) * rb];
+                let (mut big_s, mut big_m) = (0i32, 0i32);
+                for j in 0..SUPER / GROUP {
+                    let g = s * (SUPER / GROUP) + j;
+                    if t == Q6K {
+                        for sub in 0..2 {
+                            let start = rows.start[(2 * g + sub) * m + i];
+                            let k = 16 * sub..16 * sub + 16;
+                            let dot = group_dot(rec, t, rows, g, j, i, m, lane, k, start);
+                            big_s += sub_scale(rec, t, j, sub, lane) * dot;
+                        }
+                        continue;
+                    }
+                    let dot = group_dot(rec, t, rows, g, j, i, m, lane, 0..GROUP, 0);
+                    big_s += sub_scale(rec, t, j, 0, lane) * dot;
+                    let pair = rows.pairs[(g / 2) * m + i];
+                    let sum = i32::from((pair >> (16 * (g % 2))) as i16);
+                    big_m += sub_scale(rec, t, j, 1, lane) * sum;
+                }
+                let sx = rows.sx[s * m + i];
+                total += (big_s as f32) * (d_of(rec, t, 0, lane, un) * sx);
+                if has_min(t) {
+                    total -= (big_m as f32) * (min_of(rec, t, 0, lane, un) * sx);
                 }
             }
             acc[i * BLOCK + lane] = total;
@@ -985,15 +1167,87 @@ mod x86 {
 
     use super::{
         d_at, five_bits, has_min, header_bytes, high_at, min_at, offset, record_bytes, record_cols,
-        scales_at, Rows, BLOCK, GROUP, Q4K, Q5K, Q6K, Q8_0,
+        scales_at, Rows, BLOCK, GROUP, Q6K, Q8_0, SUPER,
     };
 
-    /// AVX-512 VNNI, 16 output rows a zmm: per pair of runs the 64 nibble bytes (and the high
-    /// bits) become two zmm of u8 values, each meeting a row's 4 activations, broadcast, in one
-    /// vpdpbusd into i32. The high bits are shifted into bit 4 (5) by the pair's place, so one
-    /// code serves every pair. Everything that depends on the type is a constant of `T`.
+    /// The two runs of a pair as u8 values (w0, w1), from its nibble bytes `v` and the high bits
+    /// `h` (five-bit types: shifted on by 2 for the next pair; Q6_K: by 4) or Q8_0's second
+    /// nibble plane `hv`: 512-bit ($v: __m512i) or 256-bit (ymm) alike.
+    macro_rules! unpack {
+        (zmm, $t:expr, $v:expr, $h:expr, $hv:expr) => {{
+            let low = _mm512_set1_epi8(15);
+            let w0 = _mm512_and_si512($v, low);
+            let w1 = _mm512_and_si512(_mm512_srli_epi16($v, 4), low);
+            if five_bits($t) {
+                let bit = _mm512_set1_epi8(0x10);
+                let w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16($h, 4), bit));
+                let w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_slli_epi16($h, 3), bit));
+                $h = _mm512_srli_epi16($h, 2);
+                (w0, w1)
+            } else if $t == Q6K {
+                let bits = _mm512_set1_epi8(0x30);
+                let w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16($h, 4), bits));
+                let w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_slli_epi16($h, 2), bits));
+                $h = _mm512_srli_epi16($h, 4);
+                (w0, w1)
+            } else if $t == Q8_0 {
+                let top = _mm512_set1_epi8(-16); // 0xF0
+                let w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16($hv, 4), top));
+                (w0, _mm512_or_si512(w1, _mm512_and_si512($hv, top)))
+            } else {
+                (w0, w1)
+            }
+        }};
+        (ymm, $t:expr, $v:expr, $h:expr, $hv:expr) => {{
+            let low = _mm256_set1_epi8(15);
+            let w0 = _mm256_and_si256($v, low);
+            let w1 = _mm256_and_si256(_mm256_srli_epi16($v, 4), low);
+            if five_bits($t) {
+                let bit = _mm256_set1_epi8(0x10);
+                let w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi16($h, 4), bit));
+                let w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_slli_epi16($h, 3), bit));
+                $h = _mm256_srli_epi16($h, 2);
+                (w0, w1)
+            } else if $t == Q6K {
+                let bits = _mm256_set1_epi8(0x30);
+                let w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi16($h, 4), bits));
+                let w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_slli_epi16($h, 2), bits));
+                $h = _mm256_srli_epi16($h, 4);
+                (w0, w1)
+            } else if $t == Q8_0 {
+                // w = u - 128 as i8: u with its top bit flipped
+                let (top, flip) = (_mm256_set1_epi8(-16), _mm256_set1_epi8(-128));
+                let w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi16($hv, 4), top));
+                let w1 = _mm256_or_si256(w1, _mm256_and_si256($hv, top));
+                (_mm256_xor_si256(w0, flip), _mm256_xor_si256(w1, flip))
+            } else {
+                (w0, w1)
+            }
+        }};
+    }
+
+    /// Prefetches group j's share of the record 4 KB ahead of `rec` (a record's nibbles, high
+    /// bits and scales are apart, so each group fetches its share of every line): one or two
+    /// rows read faster than the hardware prefetches, into L2; more rows, into L1 (2 KB ahead
+    /// left a 9-row pass waiting on memory: 10 % slower).
+    #[inline]
+    unsafe fn prefetch(rec: *const u8, rb: usize, groups: usize, j: usize, rows: usize) {
+        let share = (rb / 64).div_ceil(groups);
+        for line in j * share..((j + 1) * share).min(rb / 64) {
+            if rows <= 2 {
+                _mm_prefetch::<_MM_HINT_T1>(rec.wrapping_add(4096 + line * 64).cast());
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(rec.wrapping_add(4096 + line * 64).cast());
+            }
+        }
+    }
+
+    /// AVX-512 VNNI for the small types, 16 output rows a zmm: per pair of runs the 64 nibble
+    /// bytes (and the high bits) become two zmm of u8 values, each meeting a row's 4
+    /// activations, broadcast, in one vpdpbusd into i32; one float step a group. The high bits
+    /// are shifted into bit 4 by the pair's place, so one code serves every pair. Everything
+    /// that depends on the type is a constant of `T`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    #[allow(clippy::too_many_lines)]
     pub unsafe fn dot_vnni<const R: usize, const T: u8>(
         w: &[u8],
         rows: &Rows<'_>,
@@ -1006,132 +1260,57 @@ mod x86 {
             start,
             width,
             unscale,
+            ..
         } = *rows;
         let (rc, rb) = (record_cols(T), record_bytes(T));
-        let k_type = matches!(T, Q4K | Q5K);
         let (un0, un1) = (_mm512_set1_ps(unscale[0]), _mm512_set1_ps(unscale[1]));
-        let low = _mm512_set1_epi8(15);
         let half = |p: *const u8, un: __m512| {
             _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(p.cast())), un)
         };
         let xp = xs.as_ptr();
-        macro_rules! x4 {
-            ($i:expr, $at:expr) => {
-                _mm512_set1_epi32(xp.add($at * R + 4 * $i).cast::<i32>().read_unaligned())
-            };
-        }
-        // Two runs of a pair, as u8 values: (w0, w1), the high bits taken from `h` (five-bit
-        // types: shifted on by 2 for the next pair; Q6_K: by 4) or Q8_0's pair `hv`.
-        macro_rules! unpack {
-            ($v:expr, $h:expr, $hv:expr) => {{
-                let w0 = _mm512_and_si512($v, low);
-                let w1 = _mm512_and_si512(_mm512_srli_epi16($v, 4), low);
-                if five_bits(T) {
-                    let bit = _mm512_set1_epi8(0x10);
-                    let w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16($h, 4), bit));
-                    let w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_slli_epi16($h, 3), bit));
-                    $h = _mm512_srli_epi16($h, 2);
-                    (w0, w1)
-                } else if T == Q6K {
-                    let bits = _mm512_set1_epi8(0x30);
-                    let w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16($h, 4), bits));
-                    let w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_slli_epi16($h, 2), bits));
-                    $h = _mm512_srli_epi16($h, 4);
-                    (w0, w1)
-                } else if T == Q8_0 {
-                    let top = _mm512_set1_epi8(-16); // 0xF0
-                    let w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16($hv, 4), top));
-                    (w0, _mm512_or_si512(w1, _mm512_and_si512($hv, top)))
-                } else {
-                    (w0, w1)
-                }
-            }};
-        }
         let mut total = [_mm512_setzero_ps(); R];
         for s in 0..width / rc {
             let rec = w.as_ptr().add(s * rb);
             for j in 0..rc / GROUP {
                 let g = s * (rc / GROUP) + j;
-                // Every line of the records ahead, a group's share at a time (a record's
-                // nibbles, high bits and scales are apart): one or two rows read faster than
-                // the hardware prefetches, so 4 KB ahead into L2; more rows take longer over a
-                // record, and keep the lines 2 KB ahead in L1.
-                let share = (rb / 64).div_ceil(rc / GROUP);
-                for line in j * share..((j + 1) * share).min(rb / 64) {
-                    if R <= 2 {
-                        _mm_prefetch::<_MM_HINT_T1>(rec.wrapping_add(4096 + line * 64).cast());
-                    } else {
-                        _mm_prefetch::<_MM_HINT_T0>(rec.wrapping_add(2048 + line * 64).cast());
+                prefetch(rec, rb, rc / GROUP, j, R);
+                let (nib, hi) = (rec.add(header_bytes(T) + j * 256), rec.add(high_at(T)));
+                let d = half(rec.add(d_at(T, j)), un0);
+                let mut h = if five_bits(T) {
+                    _mm512_loadu_si512(hi.add(j * 64).cast())
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let mut sums = [_mm512_setzero_si512(); R];
+                if offset(T) > 0 {
+                    for (i, si) in sums.iter_mut().enumerate() {
+                        *si = _mm512_set1_epi32(offset(T) * *start.get_unchecked(g * R + i));
                     }
                 }
-                let nib = rec.add(header_bytes(T) + j * 256);
-                let scales = rec.add(scales_at(T) + j * 32);
-                let hi = rec.add(high_at(T));
-                let d = half(rec.add(d_at(T, j)), un0);
-                // Q6_K: two sub-blocks of 16 (2 pairs each); the others one of 32 (4 pairs)
-                let subs = if T == Q6K { 2 } else { 1 };
-                let mut h = match T {
-                    Q6K => _mm512_setzero_si512(),
-                    _ if five_bits(T) => _mm512_loadu_si512(hi.add(j * 64).cast()),
-                    _ => _mm512_setzero_si512(),
-                };
-                for sub in 0..subs {
-                    let a = match T {
-                        Q6K => _mm512_mul_ps(
-                            d,
-                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                scales.add(16 * sub).cast(),
-                            ))),
-                        ),
-                        _ if k_type => _mm512_mul_ps(
-                            d,
-                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                scales.cast(),
-                            ))),
-                        ),
-                        _ => d,
+                for p in 0..4 {
+                    let v = _mm512_loadu_si512(nib.add(p * 64).cast());
+                    let hv = if T == Q8_0 {
+                        _mm512_loadu_si512(hi.add((j * 4 + p) * 64).cast())
+                    } else {
+                        _mm512_setzero_si512()
                     };
-                    let mut sums = [_mm512_setzero_si512(); R];
-                    if T == Q6K {
-                        h = _mm512_loadu_si512(hi.add((2 * j + sub) * 64).cast());
-                        for (i, si) in sums.iter_mut().enumerate() {
-                            *si = _mm512_set1_epi32(*start.get_unchecked((2 * g + sub) * R + i));
-                        }
-                    } else if offset(T) > 0 {
-                        for (i, si) in sums.iter_mut().enumerate() {
-                            *si = _mm512_set1_epi32(offset(T) * *start.get_unchecked(g * R + i));
-                        }
-                    }
-                    for p in sub * 4 / subs..(sub + 1) * 4 / subs {
-                        let v = _mm512_loadu_si512(nib.add(p * 64).cast());
-                        let hv = if T == Q8_0 {
-                            _mm512_loadu_si512(hi.add((j * 4 + p) * 64).cast())
-                        } else {
-                            _mm512_setzero_si512()
+                    let (w0, w1) = unpack!(zmm, T, v, h, hv);
+                    let at = g * GROUP + p * 8;
+                    for (i, si) in sums.iter_mut().enumerate() {
+                        let x = |at: usize| {
+                            _mm512_set1_epi32(xp.add(at * R + 4 * i).cast::<i32>().read_unaligned())
                         };
-                        let (w0, w1) = unpack!(v, h, hv);
-                        let at = g * GROUP + p * 8;
-                        for (i, si) in sums.iter_mut().enumerate() {
-                            *si = _mm512_dpbusd_epi32(*si, w0, x4!(i, at));
-                            *si = _mm512_dpbusd_epi32(*si, w1, x4!(i, at + 4));
-                        }
+                        *si = _mm512_dpbusd_epi32(*si, w0, x(at));
+                        *si = _mm512_dpbusd_epi32(*si, w1, x(at + 4));
                     }
-                    for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                        let s = _mm512_set1_ps(*sx.get_unchecked(g * R + i));
-                        let exact = _mm512_cvtepi32_ps(*si);
-                        *ti = _mm512_add_ps(*ti, _mm512_mul_ps(exact, _mm512_mul_ps(a, s)));
-                    }
+                }
+                for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                    let s = _mm512_set1_ps(*sx.get_unchecked(g * R + i));
+                    let exact = _mm512_cvtepi32_ps(*si);
+                    *ti = _mm512_add_ps(*ti, _mm512_mul_ps(exact, _mm512_mul_ps(d, s)));
                 }
                 if has_min(T) {
-                    let b = if k_type {
-                        let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            scales.add(16).cast(),
-                        )));
-                        let dmin = half(rec.add(min_at(T, j)), un1);
-                        _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn))
-                    } else {
-                        half(rec.add(min_at(T, j)), un1)
-                    };
+                    let b = half(rec.add(min_at(T, j)), un1);
                     for (i, ti) in total.iter_mut().enumerate() {
                         let xs = _mm512_set1_ps(*xsum.get_unchecked(g * R + i));
                         *ti = _mm512_add_ps(*ti, _mm512_mul_ps(b, xs));
@@ -1144,14 +1323,125 @@ mod x86 {
         }
     }
 
-    /// AVX2, half a block (8 output rows) a ymm, for R ≤ 4 rows. vpmaddubsw (u8 × s8) sums a
-    /// run's products in i16 pairs, as many runs as cannot overflow (2 · 127 · the largest
-    /// value: 4-bit types 8 runs, 5-bit 4, Q6_K 2), then vpmaddwd widens them to i32. Q8_0's
+    /// AVX-512 VNNI for the K types: each group's (Q6_K: sub-block's) integer sums as in
+    /// [`dot_vnni`], times their sub-block scales in i32 (vpmulld) into a super-block's S; its
+    /// minimum term M in one vpdpwssd per pair of groups (mn against Σ xq, i16 pairs); and one
+    /// float step a super-block. The running totals stay in `acc` (30 zmm would not fit).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn dot_vnni_k<const R: usize, const T: u8>(
+        w: &[u8],
+        rows: &Rows<'_>,
+        acc: &mut [f32],
+    ) {
+        let Rows {
+            xs,
+            sx,
+            pairs,
+            start,
+            width,
+            unscale,
+            ..
+        } = *rows;
+        let rb = record_bytes(T);
+        let (un0, un1) = (_mm512_set1_ps(unscale[0]), _mm512_set1_ps(unscale[1]));
+        let half = |p: *const u8, un: __m512| {
+            _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(p.cast())), un)
+        };
+        let xp = xs.as_ptr();
+        let out = acc.as_mut_ptr();
+        for i in 0..R {
+            _mm512_storeu_ps(out.add(i * BLOCK), _mm512_setzero_ps());
+        }
+        let subs = if T == Q6K { 2 } else { 1 };
+        for s in 0..width / SUPER {
+            let rec = w.as_ptr().add(s * rb);
+            let (scales, hi) = (rec.add(scales_at(T)), rec.add(high_at(T)));
+            let mut big = [_mm512_setzero_si512(); R];
+            for j in 0..SUPER / GROUP {
+                let g = s * (SUPER / GROUP) + j;
+                prefetch(rec, rb, SUPER / GROUP, j, R);
+                let nib = rec.add(header_bytes(T) + j * 256);
+                let mut h = if five_bits(T) {
+                    _mm512_loadu_si512(hi.add(j * 64).cast())
+                } else {
+                    _mm512_setzero_si512()
+                };
+                for sub in 0..subs {
+                    let sc = _mm_loadu_si128(scales.add(j * 32 + 16 * sub).cast());
+                    let sc = if T == Q6K {
+                        _mm512_cvtepi8_epi32(sc)
+                    } else {
+                        _mm512_cvtepu8_epi32(sc)
+                    };
+                    let mut sums = [_mm512_setzero_si512(); R];
+                    if T == Q6K {
+                        h = _mm512_loadu_si512(hi.add((2 * j + sub) * 64).cast());
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            *si = _mm512_set1_epi32(*start.get_unchecked((2 * g + sub) * R + i));
+                        }
+                    }
+                    for p in sub * 4 / subs..(sub + 1) * 4 / subs {
+                        let v = _mm512_loadu_si512(nib.add(p * 64).cast());
+                        let (w0, w1) = unpack!(zmm, T, v, h, v);
+                        let at = g * GROUP + p * 8;
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            let x = |at: usize| {
+                                _mm512_set1_epi32(
+                                    xp.add(at * R + 4 * i).cast::<i32>().read_unaligned(),
+                                )
+                            };
+                            *si = _mm512_dpbusd_epi32(*si, w0, x(at));
+                            *si = _mm512_dpbusd_epi32(*si, w1, x(at + 4));
+                        }
+                    }
+                    for (bi, si) in big.iter_mut().zip(&sums) {
+                        *bi = _mm512_add_epi32(*bi, _mm512_mullo_epi32(*si, sc));
+                    }
+                }
+            }
+            let d = half(rec.add(d_at(T, 0)), un0);
+            // mn of groups 2k and 2k + 1 as each lane's low and high i16
+            let mut mn = [_mm512_setzero_si512(); 4];
+            if has_min(T) {
+                let at = |j: usize| _mm_loadu_si128(scales.add(j * 32 + 16).cast());
+                for (k, mk) in mn.iter_mut().enumerate() {
+                    let (lo, hi) = (at(2 * k), at(2 * k + 1));
+                    *mk = _mm512_or_si512(
+                        _mm512_cvtepu8_epi32(lo),
+                        _mm512_slli_epi32(_mm512_cvtepu8_epi32(hi), 16),
+                    );
+                }
+            }
+            let dmin = half(rec.add(min_at(T, 0)), un1);
+            for (i, bi) in big.iter().enumerate() {
+                let si = _mm512_set1_ps(*sx.get_unchecked(s * R + i));
+                let o = out.add(i * BLOCK);
+                let exact = _mm512_cvtepi32_ps(*bi);
+                let mut t = _mm512_add_ps(
+                    _mm512_loadu_ps(o),
+                    _mm512_mul_ps(exact, _mm512_mul_ps(d, si)),
+                );
+                if has_min(T) {
+                    let mut mi = _mm512_setzero_si512();
+                    for (k, mk) in mn.iter().enumerate() {
+                        let sums = *pairs.get_unchecked((4 * s + k) * R + i);
+                        mi = _mm512_dpwssd_epi32(mi, *mk, _mm512_set1_epi32(sums));
+                    }
+                    let exact = _mm512_cvtepi32_ps(mi);
+                    t = _mm512_sub_ps(t, _mm512_mul_ps(exact, _mm512_mul_ps(dmin, si)));
+                }
+                _mm512_storeu_ps(o, t);
+            }
+        }
+    }
+
+    /// AVX2 for the small types, half a block (8 output rows) a ymm, for R ≤ 4 rows. vpmaddubsw
+    /// (u8 × s8) sums a run's products in i16 pairs, as many runs as cannot overflow (2 · 127 ·
+    /// the largest value: 4-bit types 8 runs, 5-bit 4), then vpmaddwd widens them to i32. Q8_0's
     /// values reach 255, too many for an i16 pair: its runs are multiplied signed,
     /// |w| × sign(x, w) (w = u - 128, at most 128 · 127 · 2 < 2^15), each run widened at once,
     /// and its sums start at 0. The same integers as the other kernels, so the same bits.
     #[target_feature(enable = "avx2,f16c")]
-    #[allow(clippy::too_many_lines)]
     pub unsafe fn dot_half<const R: usize, const T: u8>(
         w: &[u8],
         half: usize,
@@ -1165,11 +1455,10 @@ mod x86 {
             start,
             width,
             unscale,
+            ..
         } = *rows;
         let (rc, rb) = (record_cols(T), record_bytes(T));
-        let k_type = matches!(T, Q4K | Q5K);
         let (un0, un1) = (_mm256_set1_ps(unscale[0]), _mm256_set1_ps(unscale[1]));
-        let low = _mm256_set1_epi8(15);
         let ones = _mm256_set1_epi16(1);
         // Eight f16 (the half's rows) at p, as f32, times un.
         let eight = |p: *const u8, un: __m256| {
@@ -1178,147 +1467,73 @@ mod x86 {
                 un,
             )
         };
-        // Eight bytes (the half's rows) at p as f32, unsigned or (Q6_K) signed.
-        let bytes = |p: *const u8| {
-            let v = _mm_loadl_epi64(p.add(8 * half).cast());
-            _mm256_cvtepi32_ps(if T == Q6K {
-                _mm256_cvtepi8_epi32(v)
-            } else {
-                _mm256_cvtepu8_epi32(v)
-            })
-        };
         let xp = xs.as_ptr();
-        macro_rules! x4 {
-            ($i:expr, $at:expr) => {
-                _mm256_set1_epi32(xp.add($at * R + 4 * $i).cast::<i32>().read_unaligned())
-            };
-        }
-        let base = acc.as_mut_ptr();
         let mut total = [_mm256_setzero_ps(); R];
-        // Pairs of runs summed in i16 before widening.
-        let span = match T {
-            Q6K => 1,
-            _ if five_bits(T) => 2,
-            _ => 4,
-        };
+        let span = if five_bits(T) { 2 } else { 4 };
         for s in 0..width / rc {
             let rec = w.as_ptr().add(s * rb);
             for j in 0..rc / GROUP {
                 let g = s * (rc / GROUP) + j;
                 let nib = rec.add(header_bytes(T) + j * 256 + 32 * half);
-                let scales = rec.add(scales_at(T) + j * 32);
                 let hi = rec.add(high_at(T) + 32 * half);
                 let d = eight(rec.add(d_at(T, j)), un0);
-                let subs = if T == Q6K { 2 } else { 1 };
                 let mut h = if five_bits(T) {
                     _mm256_loadu_si256(hi.add(j * 64).cast())
                 } else {
                     _mm256_setzero_si256()
                 };
-                for sub in 0..subs {
-                    let a = match T {
-                        Q6K => _mm256_mul_ps(d, bytes(scales.add(16 * sub))),
-                        _ if k_type => _mm256_mul_ps(d, bytes(scales)),
-                        _ => d,
-                    };
-                    let mut sums = [_mm256_setzero_si256(); R];
-                    if T == Q6K {
-                        h = _mm256_loadu_si256(hi.add((2 * j + sub) * 64).cast());
-                        for (i, si) in sums.iter_mut().enumerate() {
-                            *si = _mm256_set1_epi32(*start.get_unchecked((2 * g + sub) * R + i));
-                        }
-                    } else if offset(T) > 0 && T != Q8_0 {
-                        for (i, si) in sums.iter_mut().enumerate() {
-                            *si = _mm256_set1_epi32(offset(T) * *start.get_unchecked(g * R + i));
-                        }
+                let mut sums = [_mm256_setzero_si256(); R];
+                if offset(T) > 0 && T != Q8_0 {
+                    for (i, si) in sums.iter_mut().enumerate() {
+                        *si = _mm256_set1_epi32(offset(T) * *start.get_unchecked(g * R + i));
                     }
-                    let pairs = 4 / subs;
-                    let mut short = [_mm256_setzero_si256(); R];
-                    for q in 0..pairs {
-                        let p = sub * pairs + q;
-                        let v = _mm256_loadu_si256(nib.add(p * 64).cast());
-                        let (mut w0, mut w1) = (
-                            _mm256_and_si256(v, low),
-                            _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                        );
-                        if five_bits(T) {
-                            let bit = _mm256_set1_epi8(0x10);
-                            w0 =
-                                _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit));
-                            w1 =
-                                _mm256_or_si256(w1, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit));
-                            h = _mm256_srli_epi16(h, 2);
-                        } else if T == Q6K {
-                            let bits = _mm256_set1_epi8(0x30);
-                            w0 = _mm256_or_si256(
-                                w0,
-                                _mm256_and_si256(_mm256_slli_epi16(h, 4), bits),
+                }
+                let mut short = [_mm256_setzero_si256(); R];
+                for p in 0..4 {
+                    let v = _mm256_loadu_si256(nib.add(p * 64).cast());
+                    let hv = if T == Q8_0 {
+                        _mm256_loadu_si256(hi.add((j * 4 + p) * 64).cast())
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    let (w0, w1) = unpack!(ymm, T, v, h, hv);
+                    let at = g * GROUP + p * 8;
+                    for (i, (si, sh)) in sums.iter_mut().zip(short.iter_mut()).enumerate() {
+                        let x = |at: usize| {
+                            _mm256_set1_epi32(xp.add(at * R + 4 * i).cast::<i32>().read_unaligned())
+                        };
+                        let (x0, x1) = (x(at), x(at + 4));
+                        if T == Q8_0 {
+                            let p0 = _mm256_maddubs_epi16(
+                                _mm256_sign_epi8(w0, w0),
+                                _mm256_sign_epi8(x0, w0),
                             );
-                            w1 = _mm256_or_si256(
-                                w1,
-                                _mm256_and_si256(_mm256_slli_epi16(h, 2), bits),
+                            let p1 = _mm256_maddubs_epi16(
+                                _mm256_sign_epi8(w1, w1),
+                                _mm256_sign_epi8(x1, w1),
                             );
-                            h = _mm256_srli_epi16(h, 4);
-                        } else if T == Q8_0 {
-                            let top = _mm256_set1_epi8(-16);
-                            let hv = _mm256_loadu_si256(hi.add((j * 4 + p) * 64).cast());
-                            let flip = _mm256_set1_epi8(-128);
-                            // w = u - 128 as i8: u with its top bit flipped
-                            w0 = _mm256_xor_si256(
-                                _mm256_or_si256(
-                                    w0,
-                                    _mm256_and_si256(_mm256_slli_epi16(hv, 4), top),
-                                ),
-                                flip,
+                            *si = _mm256_add_epi32(*si, _mm256_madd_epi16(p0, ones));
+                            *si = _mm256_add_epi32(*si, _mm256_madd_epi16(p1, ones));
+                        } else {
+                            let two = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(w0, x0),
+                                _mm256_maddubs_epi16(w1, x1),
                             );
-                            w1 = _mm256_xor_si256(
-                                _mm256_or_si256(w1, _mm256_and_si256(hv, top)),
-                                flip,
-                            );
-                        }
-                        let at = g * GROUP + p * 8;
-                        for (i, (si, sh)) in sums.iter_mut().zip(short.iter_mut()).enumerate() {
-                            let (x0, x1) = (x4!(i, at), x4!(i, at + 4));
-                            if T == Q8_0 {
-                                let p0 = _mm256_maddubs_epi16(
-                                    _mm256_sign_epi8(w0, w0),
-                                    _mm256_sign_epi8(x0, w0),
-                                );
-                                let p1 = _mm256_maddubs_epi16(
-                                    _mm256_sign_epi8(w1, w1),
-                                    _mm256_sign_epi8(x1, w1),
-                                );
-                                *si = _mm256_add_epi32(*si, _mm256_madd_epi16(p0, ones));
-                                *si = _mm256_add_epi32(*si, _mm256_madd_epi16(p1, ones));
-                            } else {
-                                let two = _mm256_add_epi16(
-                                    _mm256_maddubs_epi16(w0, x0),
-                                    _mm256_maddubs_epi16(w1, x1),
-                                );
-                                *sh = _mm256_add_epi16(*sh, two);
-                                if (q + 1) % span == 0 {
-                                    *si = _mm256_add_epi32(*si, _mm256_madd_epi16(*sh, ones));
-                                    *sh = _mm256_setzero_si256();
-                                }
+                            *sh = _mm256_add_epi16(*sh, two);
+                            if (p + 1) % span == 0 {
+                                *si = _mm256_add_epi32(*si, _mm256_madd_epi16(*sh, ones));
+                                *sh = _mm256_setzero_si256();
                             }
                         }
                     }
-                    for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
-                        let s = _mm256_set1_ps(*sx.get_unchecked(g * R + i));
-                        let exact = _mm256_cvtepi32_ps(*si);
-                        *ti = _mm256_add_ps(*ti, _mm256_mul_ps(exact, _mm256_mul_ps(a, s)));
-                    }
+                }
+                for (i, (ti, si)) in total.iter_mut().zip(&sums).enumerate() {
+                    let s = _mm256_set1_ps(*sx.get_unchecked(g * R + i));
+                    let exact = _mm256_cvtepi32_ps(*si);
+                    *ti = _mm256_add_ps(*ti, _mm256_mul_ps(exact, _mm256_mul_ps(d, s)));
                 }
                 if has_min(T) {
-                    let b = if k_type {
-                        let dmin = eight(rec.add(min_at(T, j)), un1);
-                        _mm256_sub_ps(
-                            _mm256_setzero_ps(),
-                            _mm256_mul_ps(dmin, bytes(scales.add(16))),
-                        )
-                    } else {
-                        eight(rec.add(min_at(T, j)), un1)
-                    };
+                    let b = eight(rec.add(min_at(T, j)), un1);
                     for (i, ti) in total.iter_mut().enumerate() {
                         let xs = _mm256_set1_ps(*xsum.get_unchecked(g * R + i));
                         *ti = _mm256_add_ps(*ti, _mm256_mul_ps(b, xs));
@@ -1327,8 +1542,171 @@ mod x86 {
             }
         }
         for (i, ti) in total.iter().enumerate() {
-            _mm256_storeu_ps(base.add(i * BLOCK + 8 * half), *ti);
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i * BLOCK + 8 * half), *ti);
         }
+    }
+
+    /// AVX2 for the K types, half a block a ymm, for R ≤ 4 rows: the integer sums as
+    /// [`dot_half`]'s (Q6_K's runs widened one pair at a time: 2 · 63 · 127 · 2 < 2^15), then
+    /// [`dot_vnni_k`]'s order: sub-block scales in i32 (vpmulld), the minimum term by vpmaddwd
+    /// on i16 pairs, one float step a super-block.
+    #[target_feature(enable = "avx2,f16c")]
+    #[allow(clippy::too_many_lines)]
+    pub unsafe fn dot_half_k<const R: usize, const T: u8>(
+        w: &[u8],
+        half: usize,
+        rows: &Rows<'_>,
+        acc: &mut [f32],
+    ) {
+        let Rows {
+            xs,
+            sx,
+            pairs,
+            start,
+            width,
+            unscale,
+            ..
+        } = *rows;
+        let rb = record_bytes(T);
+        let (un0, un1) = (_mm256_set1_ps(unscale[0]), _mm256_set1_ps(unscale[1]));
+        let ones = _mm256_set1_epi16(1);
+        let eight = |p: *const u8, un: __m256| {
+            _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * half).cast())),
+                un,
+            )
+        };
+        // Eight bytes (the half's rows) at p as i32, unsigned or (Q6_K) signed.
+        let bytes = |p: *const u8| {
+            let v = _mm_loadl_epi64(p.add(8 * half).cast());
+            if T == Q6K {
+                _mm256_cvtepi8_epi32(v)
+            } else {
+                _mm256_cvtepu8_epi32(v)
+            }
+        };
+        let xp = xs.as_ptr();
+        let out = acc.as_mut_ptr().add(8 * half);
+        for i in 0..R {
+            _mm256_storeu_ps(out.add(i * BLOCK), _mm256_setzero_ps());
+        }
+        let (subs, span) = match T {
+            Q6K => (2, 1),
+            _ if five_bits(T) => (1, 2),
+            _ => (1, 4),
+        };
+        for s in 0..width / SUPER {
+            let rec = w.as_ptr().add(s * rb);
+            let (scales, hi) = (rec.add(scales_at(T)), rec.add(high_at(T) + 32 * half));
+            let mut big = [_mm256_setzero_si256(); R];
+            for j in 0..SUPER / GROUP {
+                let g = s * (SUPER / GROUP) + j;
+                let nib = rec.add(header_bytes(T) + j * 256 + 32 * half);
+                let mut h = if five_bits(T) {
+                    _mm256_loadu_si256(hi.add(j * 64).cast())
+                } else {
+                    _mm256_setzero_si256()
+                };
+                for sub in 0..subs {
+                    let sc = bytes(scales.add(j * 32 + 16 * sub));
+                    let mut sums = [_mm256_setzero_si256(); R];
+                    if T == Q6K {
+                        h = _mm256_loadu_si256(hi.add((2 * j + sub) * 64).cast());
+                        for (i, si) in sums.iter_mut().enumerate() {
+                            *si = _mm256_set1_epi32(*start.get_unchecked((2 * g + sub) * R + i));
+                        }
+                    }
+                    let mut short = [_mm256_setzero_si256(); R];
+                    for q in 0..4 / subs {
+                        let p = sub * 4 / subs + q;
+                        let v = _mm256_loadu_si256(nib.add(p * 64).cast());
+                        let (w0, w1) = unpack!(ymm, T, v, h, v);
+                        let at = g * GROUP + p * 8;
+                        for (i, (si, sh)) in sums.iter_mut().zip(short.iter_mut()).enumerate() {
+                            let x = |at: usize| {
+                                _mm256_set1_epi32(
+                                    xp.add(at * R + 4 * i).cast::<i32>().read_unaligned(),
+                                )
+                            };
+                            let two = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(w0, x(at)),
+                                _mm256_maddubs_epi16(w1, x(at + 4)),
+                            );
+                            *sh = _mm256_add_epi16(*sh, two);
+                            if (q + 1) % span == 0 {
+                                *si = _mm256_add_epi32(*si, _mm256_madd_epi16(*sh, ones));
+                                *sh = _mm256_setzero_si256();
+                            }
+                        }
+                    }
+                    for (bi, si) in big.iter_mut().zip(&sums) {
+                        *bi = _mm256_add_epi32(*bi, _mm256_mullo_epi32(*si, sc));
+                    }
+                }
+            }
+            let d = eight(rec.add(d_at(T, 0)), un0);
+            let mut mn = [_mm256_setzero_si256(); 4];
+            if has_min(T) {
+                for (k, mk) in mn.iter_mut().enumerate() {
+                    let (lo, hi) = (
+                        bytes(scales.add(64 * k + 16)),
+                        bytes(scales.add(64 * k + 48)),
+                    );
+                    *mk = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16));
+                }
+            }
+            let dmin = eight(rec.add(min_at(T, 0)), un1);
+            for (i, bi) in big.iter().enumerate() {
+                let si = _mm256_set1_ps(*sx.get_unchecked(s * R + i));
+                let o = out.add(i * BLOCK);
+                let exact = _mm256_cvtepi32_ps(*bi);
+                let mut t = _mm256_add_ps(
+                    _mm256_loadu_ps(o),
+                    _mm256_mul_ps(exact, _mm256_mul_ps(d, si)),
+                );
+                if has_min(T) {
+                    let mut mi = _mm256_setzero_si256();
+                    for (k, mk) in mn.iter().enumerate() {
+                        let sums = _mm256_set1_epi32(*pairs.get_unchecked((4 * s + k) * R + i));
+                        mi = _mm256_add_epi32(mi, _mm256_madd_epi16(*mk, sums));
+                    }
+                    let exact = _mm256_cvtepi32_ps(mi);
+                    t = _mm256_sub_ps(t, _mm256_mul_ps(exact, _mm256_mul_ps(dmin, si)));
+                }
+                _mm256_storeu_ps(o, t);
+            }
+        }
+    }
+
+    /// One super-block of 256 values quantized as [`crate::int8::quantize`] does (the same
+    /// operations lane by lane: amax / 127, clamp, round half to even), with Σ q per 16.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn quantize_super(x: &[f32], q: &mut [i8], sums16: &mut [i32]) -> f32 {
+        assert!(x.len() == SUPER && q.len() == SUPER && sums16.len() == SUPER / 16);
+        let (p, out) = (x.as_ptr(), q.as_mut_ptr());
+        let mut m = _mm512_setzero_ps();
+        for c in 0..SUPER / 16 {
+            m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(p.add(16 * c))));
+        }
+        let amax = _mm512_reduce_max_ps(m);
+        if amax == 0.0 {
+            q.fill(0);
+            sums16.fill(0);
+            return 0.0;
+        }
+        let scale = amax / 127.0;
+        let (s, hi, lo) = (
+            _mm512_set1_ps(scale),
+            _mm512_set1_ps(127.0),
+            _mm512_set1_ps(-127.0),
+        );
+        for (c, sum) in sums16.iter_mut().enumerate() {
+            let v = _mm512_div_ps(_mm512_loadu_ps(p.add(16 * c)), s);
+            let v = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(v, hi), lo));
+            _mm_storeu_si128(out.add(16 * c).cast(), _mm512_cvtepi32_epi8(v));
+            *sum = _mm512_reduce_add_epi32(v);
+        }
+        scale
     }
 }
 
@@ -1398,7 +1776,8 @@ mod tests {
     }
 
     /// The product from the decoded values, each sub-block's integer sum in i64, then the
-    /// documented f32 order: independent of the packing.
+    /// documented f32 order: independent of the packing. The small types take activations
+    /// quantized per group of 32, the K types per super-block of 256.
     fn reference(
         parts: &[(BlockType, Vec<u8>, usize)],
         cols: usize,
@@ -1406,64 +1785,69 @@ mod tests {
         n: usize,
     ) -> Vec<f32> {
         let rows: usize = parts.iter().map(|p| p.2).sum();
-        let groups = cols / GROUP;
         let mut out = vec![0.0; n * rows];
-        for r in 0..n {
-            let row = &x[r * cols..(r + 1) * cols];
+        let quantized = |row: &[f32], per: usize| {
             let mut xq = vec![0i8; cols];
-            let scales: Vec<f32> = (0..groups)
+            let scales: Vec<f32> = (0..cols / per)
                 .map(|g| {
                     crate::int8::quantize(
-                        &row[g * GROUP..(g + 1) * GROUP],
-                        &mut xq[g * GROUP..(g + 1) * GROUP],
+                        &row[g * per..(g + 1) * per],
+                        &mut xq[g * per..(g + 1) * per],
                     )
                 })
                 .collect();
+            (xq, scales)
+        };
+        for r in 0..n {
+            let row = &x[r * cols..(r + 1) * cols];
             let bad = row.iter().any(|v| !v.is_finite());
             let mut o0 = 0;
             for (t, raw, prow) in parts {
+                let k_type = !small(t.id());
+                let (xq, scales) = quantized(row, if k_type { SUPER } else { GROUP });
                 let un = unpack(*t, raw, *prow, cols);
                 let per_row = cols / t.block_values();
                 let subs = subs_per_block(*t);
                 let sub_len = t.block_values() / subs;
                 for o in 0..*prow {
+                    // (Σ u · xq, Σ xq) over features lo..hi
+                    let sum = |lo: usize, hi: usize| -> (i64, i64) {
+                        (lo..hi).fold((0, 0), |(a, b), k| {
+                            let xv = i64::from(xq[k]);
+                            (a + xv * i64::from(un.u[o * cols + k]), b + xv)
+                        })
+                    };
                     let mut total = 0.0f32;
-                    for (g, &sx) in scales.iter().enumerate() {
-                        let sum = |lo: usize, hi: usize| -> (i64, i64) {
-                            (lo..hi).fold((0, 0), |(a, b), k| {
-                                let xv = i64::from(xq[k]);
-                                (a + xv * i64::from(un.u[o * cols + k]), b + xv)
-                            })
-                        };
-                        let blk = o * per_row + g * GROUP / t.block_values();
+                    for (c, &sx) in scales.iter().enumerate() {
+                        // each scale's features are one ggml block (K types) or one group
+                        let blk = o * per_row + c;
                         let d = un.d[blk].to_f32();
-                        match t {
-                            BlockType::Q4K | BlockType::Q5K => {
-                                let at = o * per_row * subs + g * GROUP / sub_len;
-                                let (s, xs) = sum(g * GROUP, (g + 1) * GROUP);
-                                let a = d * f32::from(un.sc[at]);
-                                total += (s as f32) * (a * sx);
-                                let b = 0.0 - un.dmin[blk].to_f32() * f32::from(un.mn[at]);
-                                total += b * (sx * xs as f32);
-                            }
-                            BlockType::Q6K => {
-                                for sub in 0..2 {
-                                    let lo = g * GROUP + 16 * sub;
-                                    let (s, xs) = sum(lo, lo + 16);
-                                    let a = d * f32::from(un.sc[o * per_row * subs + lo / 16]);
-                                    total += ((s - 32 * xs) as f32) * (a * sx);
+                        if k_type {
+                            let (mut big_s, mut big_m) = (0i64, 0i64);
+                            for sub in 0..subs {
+                                let lo = c * SUPER + sub * sub_len;
+                                let (s, xs) = sum(lo, lo + sub_len);
+                                let at = o * per_row * subs + lo / sub_len;
+                                if *t == BlockType::Q6K {
+                                    big_s += i64::from(un.sc[at]) * (s - 32 * xs);
+                                } else {
+                                    big_s += i64::from(un.sc[at]) * s;
+                                    big_m += i64::from(un.mn[at]) * xs;
                                 }
                             }
-                            BlockType::Q4_1 | BlockType::Q5_1 => {
-                                let (s, xs) = sum(g * GROUP, (g + 1) * GROUP);
-                                total += (s as f32) * (d * sx);
-                                total += un.dmin[blk].to_f32() * (sx * xs as f32);
+                            total += (big_s as f32) * (d * sx);
+                            if has_min(t.id()) {
+                                total -= (big_m as f32) * (un.dmin[blk].to_f32() * sx);
                             }
-                            _ => {
-                                let off = i64::from(offset(t.id()));
-                                let (s, xs) = sum(g * GROUP, (g + 1) * GROUP);
-                                total += ((s - off * xs) as f32) * (d * sx);
-                            }
+                            continue;
+                        }
+                        let (s, xs) = sum(c * GROUP, (c + 1) * GROUP);
+                        if has_min(t.id()) {
+                            total += (s as f32) * (d * sx);
+                            total += un.dmin[blk].to_f32() * (sx * xs as f32);
+                        } else {
+                            let off = i64::from(offset(t.id()));
+                            total += ((s - off * xs) as f32) * (d * sx);
                         }
                     }
                     out[r * rows + o0 + o] = if bad { f32::NAN } else { total };
@@ -1780,17 +2164,88 @@ mod rate {
         acc.iter().map(|&a| _mm512_reduce_add_epi32(a)).sum()
     }
 
+    /// vpdpbusd zmm a second on this core.
+    fn peak() -> f64 {
+        let n = 20_000_000;
+        let start = std::time::Instant::now();
+        // SAFETY: callers check the CPU has AVX-512 VNNI.
+        let sum = unsafe { chains(n) };
+        std::hint::black_box(sum);
+        (12 * n) as f64 / start.elapsed().as_secs_f64()
+    }
+
     #[test]
     #[ignore = "a measurement, not a check"]
     fn vpdpbusd_rate() {
         if !crate::int8::Kernel::Avx512Vnni.supported() {
             return;
         }
-        let n = 50_000_000;
-        let start = std::time::Instant::now();
-        // SAFETY: the CPU has AVX-512 VNNI (checked above).
-        let sum = unsafe { chains(n) };
-        let per_s = (12 * n) as f64 / start.elapsed().as_secs_f64();
-        println!("vpdpbusd zmm: {:.2} G/s on one core ({sum})", per_s / 1e9);
+        println!("vpdpbusd zmm: {:.2} G/s on one core", peak() / 1e9);
+    }
+
+    /// The AVX-512 kernels' products a second on one core, weights in L2 (so the kernel's own
+    /// work, not memory), as a share of vpdpbusd's rate measured beside them (64 products an
+    /// instruction): `cargo test --release kernels_share -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn kernels_share_of_the_vpdpbusd_rate() {
+        use super::{Activations, BlockType, GgufMatrix, SuperActs, Woven, BLOCK, VNNI_ROWS};
+        use crate::int8::Kernel;
+        if !Kernel::Avx512Vnni.supported() {
+            return;
+        }
+        let (rows, cols) = (256, 1536);
+        for t in [
+            BlockType::Q4K,
+            BlockType::Q5K,
+            BlockType::Q6K,
+            BlockType::Q8_0,
+            BlockType::Q5_0,
+        ] {
+            let raw = super::tests::random_blocks(t, rows, cols, 7);
+            let m = GgufMatrix::from_blocks(&[(t, &raw, rows)], cols).unwrap();
+            let p = &m.parts[0];
+            for n in [1, 9] {
+                let x = crate::int8::tests::lcg(3, n * cols);
+                let woven = if super::small(t.id()) {
+                    Woven::new(
+                        &Activations::quantize(&x, n, cols, cols),
+                        n,
+                        cols,
+                        &m.parts,
+                        VNNI_ROWS,
+                    )
+                } else {
+                    Woven::new_k(
+                        &SuperActs::quantize(&x, n, cols, cols),
+                        n,
+                        cols,
+                        &m.parts,
+                        VNNI_ROWS,
+                    )
+                };
+                let mut acc = [0.0f32; VNNI_ROWS * BLOCK];
+                let mut best = f64::INFINITY;
+                let mut rate = 0.0f64;
+                for _ in 0..7 {
+                    rate = rate.max(peak());
+                    let start = std::time::Instant::now();
+                    for _ in 0..50 {
+                        for b in 0..p.blocks() {
+                            m.dot_block(Kernel::Avx512Vnni, p, b, &woven, 0, n, &mut acc);
+                        }
+                    }
+                    best = best.min(start.elapsed().as_secs_f64() / 50.0);
+                    std::hint::black_box(&acc);
+                }
+                let products = (rows * cols * n) as f64 / best;
+                println!(
+                    "{t:?} {n} rows: {:.1} G products/s, {:.0} % of vpdpbusd's {:.2} G/s",
+                    products / 1e9,
+                    100.0 * products / 64.0 / rate,
+                    rate / 1e9
+                );
+            }
+        }
     }
 }

@@ -45,7 +45,7 @@ QUANTIZED = ("int8", "q4", "file")
 CoreMatrix = Int8Matrix | Q4Matrix | GgufMatrix | FloatMatrix
 CORE_MATRICES = (Int8Matrix, Q4Matrix, GgufMatrix, FloatMatrix)
 # Part of the cache key of "auto"'s timings: bump it when the int8 path's speed changes.
-KERNEL_VERSION = 7
+KERNEL_VERSION = 8
 # Passes of up to this many tokens run torch's own ops on one thread: the core splits its
 # products with its own helper thread (rust/helper.rs), and torch's OpenMP workers spinning
 # between ops beside it made a SmolLM2 decode step 300+ ms instead of 20 (2 cores).
