@@ -574,3 +574,19 @@ def test_draft_vocabulary_is_checked():
     for bad in (0, -3, 2.5, "all", True):
         with pytest.raises(ValueError, match="draft_vocabulary"):
             specfast.generate(target, [1, 2], max_new_tokens=2, draft_vocabulary=bad)
+
+
+def test_generate_takes_check_settings_options_with_the_same_defaults():
+    # check_settings' keywords are the one list of per-call options (Session.send takes them);
+    # generate() spells them out for its users, and must not drift from them.
+    import inspect
+
+    from specfast.settings import check_settings
+
+    ours = inspect.signature(specfast.generate).parameters
+    options = {
+        name: p.default
+        for name, p in inspect.signature(check_settings).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert options and {name: ours[name].default for name in options} == options

@@ -26,8 +26,9 @@ from contextlib import contextmanager
 import pytest
 
 import specfast
-from specfast.generate import encode_text, render_chat
+from specfast.chat import render_chat
 from specfast.session import corpus_fingerprint
+from specfast.settings import encode_text
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")

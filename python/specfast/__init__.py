@@ -4,9 +4,10 @@ from specfast._core import NgramDrafter
 from specfast.drafters.combined import CombinedDrafter
 from specfast.eagle.head import EagleConfig, EagleHead, load_eagle, save_eagle
 from specfast.formats import load_model
-from specfast.generate import GenerateOutput, GenerationStats, generate
+from specfast.generate import generate
 from specfast.sampling import accept_greedy, accept_sampled, accept_sampled_torch, logits_to_probs
 from specfast.session import Session, Turn
+from specfast.stats import GenerateOutput, GenerationStats
 from specfast.targets import make_decoder
 from specfast.targets.base import default_model_path
 from specfast.targets.hf import HFDecoder

@@ -49,29 +49,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from specfast._core import NgramDrafter
+from specfast.chat import render_chat
 from specfast.corpus import tokenizer_fingerprint
 from specfast.drafters import make_drafter
 from specfast.drafters.model import common_tokens
-from specfast.generate import (
-    GenerateOutput,
-    check_k,
-    check_settings,
-    encode_text,
-    generate,
-    prompt_to_ids,
-    render_chat,
-    run_turn,
-)
+from specfast.generate import generate, run_turn
+from specfast.settings import check_k, check_settings, encode_text, prompt_to_ids
+from specfast.stats import GenerateOutput
 from specfast.targets import as_target, make_decoder
 from specfast.targets.base import Decoder, Target, common_prefix
 
 DEFAULT_MAX_LENGTH = 8192
 # Options fixed when the session starts: they shape the drafter.
 SESSION_OPTIONS = ("num_speculative_tokens", "draft_vocabulary")
+# Options a turn may change: check_settings' keywords, the one list of them (generate() takes
+# the same, with the same defaults: tests/test_generate.py holds the two together).
 PER_TURN_OPTIONS = tuple(
     name
-    for name in inspect.signature(generate).parameters
-    if name not in ("model", "prompt", "drafter", "tokenizer", *SESSION_OPTIONS)
+    for name, p in inspect.signature(check_settings).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
 )
 
 

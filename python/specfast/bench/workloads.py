@@ -9,7 +9,7 @@ Acceptance is a property of the workload, so every prompt carries its kind:
 
 Selection is deterministic: the same prompts come back in the same order on every run.
 Chat prompts are stored as messages and rendered with the model's own chat template
-(``specfast.generate.render_chat``), so the instruct model sees the format it was trained on.
+(``specfast.chat.render_chat``), so the instruct model sees the format it was trained on.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specfast.generate import render_chat
+from specfast.chat import render_chat
 
 KINDS = ("code-edit", "quote", "complete", "open")
 

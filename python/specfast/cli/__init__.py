@@ -28,6 +28,7 @@ from specfast.bench import (
     pass_cost_report,
 )
 from specfast.bench.workloads import KINDS
+from specfast.chat import render_chat
 from specfast.cli.chat import main_chat
 from specfast.cli.common import (
     CLIError,
@@ -41,7 +42,6 @@ from specfast.cli.common import (
 )
 from specfast.cli.serve import add_serve, cmd_serve
 from specfast.cli.train_eagle import add_train_eagle, cmd_train_eagle
-from specfast.generate import render_chat
 from specfast.session import corpus_fingerprint
 from specfast.targets.torch.int8 import WEIGHTS_CHOICES
 

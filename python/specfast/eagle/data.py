@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from specfast.bench import workloads
+from specfast.chat import render_chat
 from specfast.eagle.prompts import CODE_MODULES, CODE_TASKS, QUESTIONS, QUOTE_TASKS
-from specfast.generate import generate, render_chat
+from specfast.generate import generate
 from specfast.targets.torch.model import linear
 
 # ---------------------------------------------------------------------------- the split

@@ -32,7 +32,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from specfast.generate import encode_text, render_chat
+from specfast.chat import render_chat
 from specfast.serve.pool import Pool
 from specfast.serve.protocol import (
     BadRequest,
@@ -43,6 +43,7 @@ from specfast.serve.protocol import (
     parse_request,
     usage_chunk,
 )
+from specfast.settings import encode_text
 from specfast.targets import as_target
 from specfast.targets.base import common_prefix
 

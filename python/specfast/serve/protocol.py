@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from specfast.generate import MAX_SPECULATIVE_TOKENS
+from specfast.settings import MAX_SPECULATIVE_TOKENS
 
 DRAFTERS = ("ngram", "none")
 MAX_STOPS = 4  # OpenAI's limit
