@@ -270,7 +270,7 @@ def test_check_of_an_unimportable_build_is_no_pass(tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# llama.cpp's AMX kernels beside torch's (rust/tiles.rs, tile_restorer)
+# llama.cpp's AMX kernels beside torch's (crates/kernels/src/tiles.rs, tile_restorer)
 
 MIXED = """
 import sys, torch, llama_cpp

@@ -6,7 +6,7 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use specfast::accept::{
+use specfast_core::accept::{
     accept_greedy, accept_sampled, accept_sampled_with_uniforms, rule_tables, uniforms, Prob,
 };
 

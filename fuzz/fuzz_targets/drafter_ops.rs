@@ -8,7 +8,7 @@ use std::collections::HashSet;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use specfast::drafter::{Config, Drafter, Policy};
+use specfast_core::drafter::{Config, Drafter, Policy};
 
 #[derive(Arbitrary, Debug)]
 enum Op {

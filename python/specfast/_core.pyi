@@ -29,7 +29,7 @@ __all__ = [
     "uniforms",
 ]
 
-# ---- accept -------------------------------------------------------------------------------------
+# ---- accept --------------------------------------------------------------------------------------
 # Probability matrices: 2-D float32/float64 numpy arrays or CPU torch tensors (read zero-copy).
 
 def accept_greedy(draft: Sequence[int], target_ids: Sequence[int]) -> list[int]: ...
@@ -48,20 +48,20 @@ def rule_tables(
     target_probs: Any, draft: Sequence[int], draft_probs: Any | None = None
 ) -> tuple[list[float], npt.NDArray[np.float64]]: ...
 
-# ---- llama.cpp's AMX tiles (rust/tiles.rs) -----------------------------------------------------
+# ---- llama.cpp's AMX tiles (crates/kernels/src/tiles.rs) -----------------------------------------
 
 def amx_usable() -> bool: ...
 def ggml_tile_restorer() -> int: ...
 
-# ---- the helper thread that products and attention split their work with (rust/helper.rs) ------
+# ---- the helper thread that products and attention split their work with (kernels' helper.rs) ----
 
 def thread_round_trip() -> float | None: ...
 
-# ---- memory (rust/bigvec.rs) -------------------------------------------------------------------
+# ---- memory (crates/core/src/bigvec.rs) ----------------------------------------------------------
 
 def advise_huge_pages(address: int, nbytes: int) -> int: ...
 
-# ---- int8, 4-bit and GGUF-block matrix products (rust/int8.rs, rust/q4.rs, rust/gguf.rs) ------
+# ---- int8, 4-bit and GGUF-block matrix products (crates/kernels: int8.rs, q4.rs, gguf.rs) --------
 
 @final
 class Int8Matrix:
@@ -190,7 +190,7 @@ def row_attention(
     path: str = "auto",
 ) -> None: ...
 
-# ---- drafter -----------------------------------------------------------------------------------
+# ---- drafter -------------------------------------------------------------------------------------
 
 @final
 class NgramDrafter:

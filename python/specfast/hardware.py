@@ -1,7 +1,7 @@
 """What the hardware is good at: the dtype "auto" picks, and the CPU flags every figure names.
 
 On a CPU without native bf16 (AVX2 only), torch emulates bf16 arithmetic, several times slower
-than float32. And a float32 model's passes run in the core at the memory's rate (rust/float.rs),
+than float32. And a float32 model's passes run in the core at the memory's rate (kernels' float.rs),
 exact to themselves, which beat torch's bf16 (oneDNN) on AVX512-BF16 CPUs though it reads half
 the bytes (docs/benchmarks.md §14). So "auto" starts from bf16 on a CPU only with AMX, whose
 bf16 tiles oneDNN runs, and load_model then times it against float32 for the model at hand

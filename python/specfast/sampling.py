@@ -180,7 +180,7 @@ def _rule(
 
     Accept at i iff u < ratio[i], i.e. with probability min(1, ratio[i]). weights[i] is the
     unnormalised correction distribution at i (the residual, or p_i if the residual is all zero:
-    only rounding gets there, see rust/accept.rs), weights[k] = p_k for the bonus.
+    only rounding gets there, see crates/core/src/accept.rs), weights[k] = p_k for the bonus.
     """
     k = d.shape[0]
     rows = torch.arange(k, device=p.device)

@@ -53,7 +53,7 @@ from specfast.chat import render_chat
 from specfast.corpus import tokenizer_fingerprint
 from specfast.drafters import make_drafter
 from specfast.drafters.model import common_tokens
-from specfast.generate import generate, run_turn
+from specfast.generate import run_turn
 from specfast.settings import check_k, check_settings, encode_text, prompt_to_ids
 from specfast.stats import GenerateOutput
 from specfast.targets import as_target, make_decoder

@@ -186,8 +186,9 @@ def tile_restorer() -> Callable[[int], None] | None:
     OpenMP threads of a team of n_threads; None for a llama.cpp built without AMX kernels.
 
     ggml loads the configuration once per thread; torch's oneDNN releases the tiles after each
-    bf16 matrix product, on the same OpenMP threads (rust/tiles.rs). Without this, a llama_decode
-    after a torch bf16 matmul in the same process dies with SIGILL. Costs microseconds a call.
+    bf16 matrix product, on the same OpenMP threads (crates/kernels/src/tiles.rs). Without this,
+    a llama_decode after a torch bf16 matmul in the same process dies with SIGILL. Costs
+    microseconds a call.
     """
     info = _this_build()[0]
     if info is None or "AMX_INT8 = 1" not in info or not _core.amx_usable():

@@ -1,5 +1,5 @@
 """The core pass: where a model runs float32 activations on CPU (float32, int8 or q4 weights),
-the whole stack, head included, is one call into the Rust core (rust/layer.rs) over the
+the whole stack, head included, is one call into the Rust core (kernels' layer.rs) over the
 decoder's cache. `forward_in_core` is Model.forward's form of it (torch tensors in and out);
 `CoreGreedy` is a greedy decoder's, with NumPy between passes and no torch op at all."""
 
@@ -14,7 +14,7 @@ from specfast.targets.torch.eager import model_features
 from specfast.targets.torch.int8 import INT8_SERIAL_ROWS
 from specfast.targets.torch.kv_cache import KVCache
 
-# Caches a model's passes run in the core over (rust/attention.rs): float16 halves what a pass
+# Caches a model's passes run in the core over (kernels' attention.rs): float16 halves what a pass
 # reads at long context; each value is rounded once, when written.
 CORE_CACHE_DTYPES = (torch.float16, torch.float32)
 

@@ -47,7 +47,7 @@ CORE_MATRICES = (Int8Matrix, Q4Matrix, GgufMatrix, FloatMatrix)
 # Part of the cache key of "auto"'s timings: bump it when the int8 path's speed changes.
 KERNEL_VERSION = 8
 # Passes of up to this many tokens run torch's own ops on one thread: the core splits its
-# products with its own helper thread (rust/helper.rs), and torch's OpenMP workers spinning
+# products with its own helper thread (kernels' helper.rs), and torch's OpenMP workers spinning
 # between ops beside it made a SmolLM2 decode step 300+ ms instead of 20 (2 cores).
 # (benches/bench_linear.py times the kernel alone.)
 INT8_SERIAL_ROWS = 64
@@ -190,7 +190,7 @@ def _weights_key(dtype: torch.dtype, config, kinds: tuple[str, ...]) -> str:
 def auto_float_dtype(source: Path, load: Callable[[torch.dtype], Any]) -> tuple[Any, dict]:
     """The faster of `load(torch.bfloat16)` and `load(torch.float32)` on this CPU, by a timed
     decode step, once per CPU and model file (then only the one kept is loaded). On AMX,
-    oneDNN's bf16 tiles read half the bytes, but the core's float32 products (rust/float.rs)
+    oneDNN's bf16 tiles read half the bytes, but the core's float32 products (kernels' float.rs)
     reach the memory's rate where oneDNN's skinny products do not, so which wins depends on
     the model (docs/benchmarks.md §12, the Xeon). A float32 copy that would take over half the
     memory left is not tried."""

@@ -152,7 +152,7 @@ class Model(nn.Module):
 
     @property
     def in_core(self) -> bool:
-        """True where passes run wholly in the core (rust/layer.rs), over a cache of
+        """True where passes run wholly in the core (crates/kernels/src/layer.rs), over a cache of
         CORE_CACHE_DTYPES: float32 activations on CPU, with quantized weights, or with float32
         weights (`FloatMatrix`) unless `prepack` is off or the passes run compiled steps."""
         cpu32 = self.dtype == torch.float32 and self.device.type == "cpu"

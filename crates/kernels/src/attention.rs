@@ -15,8 +15,8 @@
 #![allow(clippy::inline_always)]
 
 use half::f16;
+use specfast_core::error::{Error, Result};
 
-use crate::error::{Error, Result};
 pub use crate::simd::{dot_product, gelu_tanh_mul, silu_mul, Elem, Path};
 use crate::simd::{dots, key_lanes_two, Lanes, Portable, LANES};
 

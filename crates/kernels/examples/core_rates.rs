@@ -22,10 +22,10 @@
 
 use std::time::Instant;
 
-use specfast::attention::{attend, Dims};
-use specfast::float::FloatMatrix;
-use specfast::int8::{Int8Matrix, Kernel, Product};
-use specfast::q4::Q4Matrix;
+use specfast_kernels::attention::{attend, Dims};
+use specfast_kernels::float::FloatMatrix;
+use specfast_kernels::int8::{Int8Matrix, Kernel, Product};
+use specfast_kernels::q4::Q4Matrix;
 
 fn values(seed: u64, n: usize) -> Vec<f32> {
     let mut s = seed.wrapping_mul(6_364_136_223_846_793_005) | 1;
@@ -391,7 +391,7 @@ fn float_products() {
 fn main() {
     // Every figure below that splits work between the threads depends on how far apart their
     // cores are; a VM's host may move them (docs/benchmarks.md, "The VM's two states").
-    if let Some(trip) = specfast::helper::round_trip(101) {
+    if let Some(trip) = specfast_kernels::helper::round_trip(101) {
         println!("threads' round trip: {:.2} µs", trip.as_secs_f64() * 1e6);
     }
     peak_rates();

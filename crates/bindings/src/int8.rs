@@ -1,13 +1,14 @@
-//! Bindings for `crate::int8`: a frozen `Int8Matrix` over numpy float32 arrays. The products
-//! run with the interpreter released.
+//! Bindings for `specfast_kernels::int8`: a frozen `Int8Matrix` over numpy float32 arrays. The
+//! products run with the interpreter released.
 
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use specfast_kernels::int8::{self, Kernel, Product};
 
-use crate::int8::{self, Kernel, Product};
+use crate::py_err;
 
 pub(crate) fn contiguous<'a>(name: &str, a: &'a PyReadonlyArray2<'_, f32>) -> PyResult<&'a [f32]> {
     match (a.is_c_contiguous(), a.as_slice()) {
@@ -26,7 +27,7 @@ pub(crate) fn product_matmul(
     mut out: PyReadwriteArray2<'_, f32>,
     kernel: &str,
 ) -> PyResult<()> {
-    let kernel = Kernel::from_name(kernel)?;
+    let kernel = Kernel::from_name(kernel).map_err(py_err)?;
     let (xs, os) = (x.shape(), out.shape());
     if xs[1] != m.cols() || os[0] != xs[0] || os[1] != m.rows() {
         return Err(PyValueError::new_err(format!(
@@ -44,7 +45,7 @@ pub(crate) fn product_matmul(
             "out must be a C-contiguous float32 array",
         ));
     };
-    py.detach(|| m.matmul(x, out, kernel))?;
+    py.detach(|| m.matmul(x, out, kernel)).map_err(py_err)?;
     Ok(())
 }
 
@@ -68,7 +69,7 @@ macro_rules! product_class {
                 out: PyReadwriteArray2<'_, f32>,
                 kernel: &str,
             ) -> PyResult<()> {
-                $crate::python::int8::product_matmul(py, &self.inner, &x, out, kernel)
+                $crate::int8::product_matmul(py, &self.inner, &x, out, kernel)
             }
 
             #[getter]
@@ -109,7 +110,9 @@ product_class!(PyInt8Matrix, "Int8Matrix", {
         let shape = weight.shape();
         let (rows, cols) = (shape[0], shape[1]);
         let w = contiguous("weight", &weight)?;
-        let inner = py.detach(|| int8::Int8Matrix::quantize(w, rows, cols))?;
+        let inner = py
+            .detach(|| int8::Int8Matrix::quantize(w, rows, cols))
+            .map_err(py_err)?;
         Ok(PyInt8Matrix { inner })
     }
 

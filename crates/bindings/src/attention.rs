@@ -1,11 +1,12 @@
-//! Bindings for `crate::attention`: row-exact causal attention over numpy float32 arrays, run
-//! with the interpreter released.
+//! Bindings for `specfast_kernels::attention`: row-exact causal attention over numpy float32
+//! arrays, run with the interpreter released.
 
 use numpy::{PyReadonlyArray3, PyReadwriteArray3, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use specfast_kernels::attention::{self, Dims, Path};
 
-use crate::attention::{self, Dims, Path};
+use crate::py_err;
 
 fn slice<'a>(name: &str, a: &'a PyReadonlyArray3<'_, f32>) -> PyResult<&'a [f32]> {
     match (a.is_c_contiguous(), a.as_slice()) {
@@ -67,7 +68,8 @@ fn row_attention(
             "out must be a C-contiguous float32 array",
         ));
     };
-    py.detach(|| attention::attend_with(q, k, v, out, &d, path))?;
+    py.detach(|| attention::attend_with(q, k, v, out, &d, path))
+        .map_err(py_err)?;
     Ok(())
 }
 

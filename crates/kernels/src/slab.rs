@@ -15,7 +15,7 @@ use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, Weak};
 
-use crate::bigvec::{advise_huge_pages, HUGE};
+use specfast_core::bigvec::{advise_huge_pages, HUGE};
 
 /// Bytes a slab holds, unless one buffer needs more (it then gets a slab of its own).
 const SLAB: usize = 32 << 20;

@@ -1,4 +1,4 @@
-//! `specfast._core.NgramDrafter`: a thin wrapper over [`crate::drafter::Drafter`].
+//! `specfast._core.NgramDrafter`: a thin wrapper over [`specfast_core::drafter::Drafter`].
 //!
 //! Token input is converted here, in Rust: a list or tuple of ints, a 1-D integer numpy array
 //! (read in place when it is contiguous `uint32`), or a 1-D integer CPU torch tensor (through
@@ -16,9 +16,10 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyList, PyString, PyTuple};
+use specfast_core::drafter::{Config, Drafter, Policy, MAX_K};
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
-use crate::drafter::{Config, Drafter, Policy, MAX_K};
+use crate::py_err;
 
 /// Above this many tokens, indexing releases the interpreter.
 const DETACH_ABOVE: usize = 4096;
@@ -282,13 +283,13 @@ impl PyNgramDrafter {
         };
         let config = Config {
             min_match,
-            policy: Policy::parse(policy)?,
+            policy: Policy::parse(policy).map_err(py_err)?,
             k_factor,
             k_offset,
             max_corpus_tokens,
         };
         Ok(PyNgramDrafter {
-            inner: Mutex::new(Drafter::new(config)?),
+            inner: Mutex::new(Drafter::new(config).map_err(py_err)?),
         })
     }
 
@@ -298,9 +299,9 @@ impl PyNgramDrafter {
             if ids.len() > DETACH_ABOVE {
                 // Copy first: a borrowed numpy buffer could be written by another thread.
                 let ids = ids.to_vec();
-                self.detached(py, |d| d.extend(&ids))?;
+                self.detached(py, |d| d.extend(&ids)).map_err(py_err)?;
             } else {
-                self.lock(py).extend(ids)?;
+                self.lock(py).extend(ids).map_err(py_err)?;
             }
             Ok(())
         })
@@ -309,7 +310,7 @@ impl PyNgramDrafter {
     /// Up to k tokens that followed the longest earlier match; [] when nothing matches.
     fn propose(&self, py: Python<'_>, k: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let k = int_arg(k, "k", 0, i64::try_from(MAX_K).unwrap_or(i64::MAX))? as usize;
-        Ok(self.lock(py).propose(k)?)
+        self.lock(py).propose(k).map_err(py_err)
     }
 
     /// Adds a document to the corpus that matches may also come from.
@@ -317,9 +318,10 @@ impl PyNgramDrafter {
         with_tokens(tokens, "add_document", |ids| {
             if ids.len() > DETACH_ABOVE {
                 let ids = ids.to_vec();
-                self.detached(py, |d| d.add_document(&ids))?;
+                self.detached(py, |d| d.add_document(&ids))
+                    .map_err(py_err)?;
             } else {
-                self.lock(py).add_document(ids)?;
+                self.lock(py).add_document(ids).map_err(py_err)?;
             }
             Ok(())
         })
@@ -331,7 +333,8 @@ impl PyNgramDrafter {
     #[pyo3(signature = (path, *, fingerprint=""))]
     #[allow(clippy::needless_pass_by_value)] // PyO3 extracts a path argument as an owned PathBuf
     fn save(&self, py: Python<'_>, path: PathBuf, fingerprint: &str) -> PyResult<()> {
-        self.detached(py, |d| d.save_file(&path, fingerprint))?;
+        self.detached(py, |d| d.save_file(&path, fingerprint))
+            .map_err(py_err)?;
         Ok(())
     }
 
@@ -341,7 +344,9 @@ impl PyNgramDrafter {
     #[pyo3(signature = (path, *, fingerprint=None))]
     #[allow(clippy::needless_pass_by_value)] // as in `save`
     fn load(py: Python<'_>, path: PathBuf, fingerprint: Option<&str>) -> PyResult<Self> {
-        let inner = py.detach(|| Drafter::load_file(&path, fingerprint))?;
+        let inner = py
+            .detach(|| Drafter::load_file(&path, fingerprint))
+            .map_err(py_err)?;
         Ok(PyNgramDrafter {
             inner: Mutex::new(inner),
         })

@@ -1,14 +1,15 @@
-//! Bindings for `crate::gguf`: a frozen `GgufMatrix` built from a GGUF file's raw blocks. The
-//! products run with the interpreter released.
+//! Bindings for `specfast_kernels::gguf`: a frozen `GgufMatrix` built from a GGUF file's raw
+//! blocks. The products run with the interpreter released.
 
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use specfast_kernels::gguf::{BlockType, GgufMatrix};
 
 use super::int8::product_class;
-use crate::gguf::{BlockType, GgufMatrix};
+use crate::py_err;
 
 /// A weight matrix (out_features, in_features) stacked by rows from GGUF tensors, each kept in
 /// its own block type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1): the file's values and
@@ -29,7 +30,7 @@ product_class!(PyGgufMatrix, "GgufMatrix", {
     ) -> PyResult<Self> {
         let mut arrays = Vec::with_capacity(parts.len());
         for (i, (name, raw)) in parts.iter().enumerate() {
-            let t = BlockType::from_name(name)?;
+            let t = BlockType::from_name(name).map_err(py_err)?;
             let Ok(a) = raw.extract::<PyReadonlyArray2<'_, u8>>() else {
                 return Err(PyTypeError::new_err(format!(
                     "part {i} ({name}) must be a 2-D uint8 array of raw blocks (rows, row bytes)"
@@ -46,7 +47,9 @@ product_class!(PyGgufMatrix, "GgufMatrix", {
             .iter()
             .map(|(t, a)| Ok((*t, a.as_slice()?, a.shape()[0])))
             .collect::<PyResult<_>>()?;
-        let inner = py.detach(|| GgufMatrix::from_blocks(&views, cols))?;
+        let inner = py
+            .detach(|| GgufMatrix::from_blocks(&views, cols))
+            .map_err(py_err)?;
         Ok(PyGgufMatrix { inner })
     }
 

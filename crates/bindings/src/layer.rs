@@ -1,5 +1,5 @@
-//! Bindings for `crate::layer`: a model's int8, 4-bit or float32 layers over numpy float32
-//! arrays (the model's torch tensors and cache, shared without copies), run with the
+//! Bindings for `specfast_kernels::layer`: a model's int8, 4-bit or float32 layers over numpy
+//! float32 arrays (the model's torch tensors and cache, shared without copies), run with the
 //! interpreter released.
 
 use half::f16;
@@ -9,14 +9,15 @@ use numpy::{
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use specfast_kernels::attention::Elem;
+use specfast_kernels::int8::Product;
+use specfast_kernels::layer::{self, Act, Head, Shape, Weights};
 
 use super::float::PyFloatMatrix;
 use super::gguf::PyGgufMatrix;
 use super::int8::PyInt8Matrix;
 use super::q4::PyQ4Matrix;
-use crate::attention::Elem;
-use crate::int8::Product;
-use crate::layer::{self, Act, Head, Shape, Weights};
+use crate::py_err;
 
 fn contiguous_error(name: &str) -> PyErr {
     PyValueError::new_err(format!("{name} must be a C-contiguous array"))
@@ -379,7 +380,8 @@ impl PyCoreLayers {
                 feats,
                 head,
             )
-        })?;
+        })
+        .map_err(py_err)?;
         Ok(())
     }
 }

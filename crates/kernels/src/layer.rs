@@ -7,8 +7,9 @@
 //! Here the whole layer is one call, and each operation reads only its own row, so a verify
 //! pass over k+1 tokens gives exactly what k+1 one-token passes give (see `attention`).
 
+use specfast_core::error::{Error, Result};
+
 use crate::attention::{self, Dims, Elem};
-use crate::error::{Error, Result};
 use crate::helper;
 use crate::int8::{Kernel, Product, ROW_VALUES};
 

@@ -1,5 +1,5 @@
-//! Bindings for `crate::q4`: a frozen `Q4Matrix` over numpy arrays. The products run with the
-//! interpreter released.
+//! Bindings for `specfast_kernels::q4`: a frozen `Q4Matrix` over numpy arrays. The products run
+//! with the interpreter released.
 
 use half::f16;
 use numpy::{
@@ -7,9 +7,10 @@ use numpy::{
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use specfast_kernels::q4::Q4Matrix;
 
 use super::int8::{contiguous, product_class};
-use crate::q4::Q4Matrix;
+use crate::py_err;
 
 type Parts<'py> = (
     Bound<'py, PyArray2<u8>>,
@@ -32,7 +33,9 @@ product_class!(PyQ4Matrix, "Q4Matrix", {
         let shape = weight.shape();
         let (rows, cols) = (shape[0], shape[1]);
         let w = contiguous("weight", &weight)?;
-        let inner = py.detach(|| Q4Matrix::quantize(w, rows, cols))?;
+        let inner = py
+            .detach(|| Q4Matrix::quantize(w, rows, cols))
+            .map_err(py_err)?;
         Ok(PyQ4Matrix { inner })
     }
 
@@ -68,7 +71,9 @@ product_class!(PyQ4Matrix, "Q4Matrix", {
             Some(m) => Some(half(contiguous("m", m)?)),
             None => None,
         };
-        let inner = py.detach(|| Q4Matrix::from_parts(qs, &dh, mh.as_deref(), rows, cols))?;
+        let inner = py
+            .detach(|| Q4Matrix::from_parts(qs, &dh, mh.as_deref(), rows, cols))
+            .map_err(py_err)?;
         Ok(PyQ4Matrix { inner })
     }
 

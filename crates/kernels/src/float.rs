@@ -10,7 +10,8 @@
 //! The weights stay row-major float32, in pieces of whole output rows that this thread and the
 //! helper take from both ends (`helper::for_each`).
 
-use crate::error::Error;
+use specfast_core::error::Error;
+
 use crate::helper::Shared;
 use crate::int8::{check_product, Kernel, Product, PARALLEL_MIN, UNITS};
 use crate::simd::{self, Path};

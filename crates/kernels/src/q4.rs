@@ -24,8 +24,8 @@
 //! second run in its high one (the int8 layout's two runs, one nibble each).
 
 use half::f16;
+use specfast_core::error::Error;
 
-use crate::error::Error;
 use crate::helper::Shared;
 use crate::int8::{check_product, Activations, Kernel, Product, GROUP, PARALLEL_MIN};
 use crate::slab::WeightBuf;

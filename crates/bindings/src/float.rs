@@ -1,13 +1,14 @@
-//! Bindings for `crate::float`: a frozen `FloatMatrix` over numpy arrays. The products run with
-//! the interpreter released.
+//! Bindings for `specfast_kernels::float`: a frozen `FloatMatrix` over numpy arrays. The products
+//! run with the interpreter released.
 
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
+use specfast_kernels::float::FloatMatrix;
 
 use super::int8::{contiguous, product_class};
-use crate::float::FloatMatrix;
+use crate::py_err;
 
 /// A float32 weight matrix (out_features, in_features) whose products compute each row of x on
 /// its own (every value one fixed sum, whatever the number of rows).
@@ -23,7 +24,9 @@ product_class!(PyFloatMatrix, "FloatMatrix", {
         let shape = weight.shape();
         let (rows, cols) = (shape[0], shape[1]);
         let w = contiguous("weight", &weight)?;
-        let inner = py.detach(|| FloatMatrix::new(w, rows, cols))?;
+        let inner = py
+            .detach(|| FloatMatrix::new(w, rows, cols))
+            .map_err(py_err)?;
         Ok(PyFloatMatrix { inner })
     }
 

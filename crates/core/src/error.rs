@@ -5,7 +5,8 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-/// What the crate reports instead of panicking; the bindings map each kind to a Python exception.
+/// What the core and the kernels report instead of panicking; the bindings map each kind to a
+/// Python exception.
 pub enum Error {
     /// An argument outside what is allowed, or a malformed file. Python sees `ValueError`.
     Value(String),

@@ -12,7 +12,8 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-pub(crate) const HUGE: usize = 2 << 20;
+/// The huge page size, 2 MiB: the alignment of large buffers and of the advised ranges.
+pub const HUGE: usize = 2 << 20;
 
 /// A growable array of `Copy` items on 2 MiB-aligned buffers advised for huge pages.
 pub struct BigVec<T: Copy> {
@@ -180,7 +181,8 @@ impl<T: Copy + fmt::Debug> fmt::Debug for BigVec<T> {
 }
 
 /// Asks Linux to back `[ptr, ptr + len)` (2 MiB-aligned) with 2 MiB pages; elsewhere a no-op.
-pub(crate) fn advise_huge_pages(ptr: *mut u8, len: usize) {
+/// Public for `specfast-kernels`' weight slabs.
+pub fn advise_huge_pages(ptr: *mut u8, len: usize) {
     #[cfg(target_os = "linux")]
     // SAFETY: the range is a live allocation of ours; the advice changes no contents.
     unsafe {

@@ -1,4 +1,4 @@
-//! Bindings for `crate::accept`: convert arrays and id lists, call the core, map errors.
+//! Bindings for `specfast_core::accept`: convert arrays and id lists, call the core, map errors.
 //!
 //! Probability matrices are numpy arrays or CPU torch tensors (viewed through `.numpy()`, which
 //! shares memory), float32 or float64, 2-D. C-contiguous input is read in place; anything else is
@@ -10,8 +10,9 @@ use numpy::{
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use specfast_core::accept::{self, Prob};
 
-use crate::accept::{self, Prob};
+use crate::py_err;
 
 /// A borrowed 2-D probability matrix of either supported dtype.
 enum Probs<'py> {
@@ -145,8 +146,8 @@ fn with_slices<T: Prob + numpy::Element, R>(
 fn dispatch<R>(
     target: &Bound<'_, PyAny>,
     draft_probs: Option<&Bound<'_, PyAny>>,
-    f32_fn: impl FnOnce(&[f32], usize, Option<&[f32]>) -> crate::error::Result<R>,
-    f64_fn: impl FnOnce(&[f64], usize, Option<&[f64]>) -> crate::error::Result<R>,
+    f32_fn: impl FnOnce(&[f32], usize, Option<&[f32]>) -> specfast_core::error::Result<R>,
+    f64_fn: impl FnOnce(&[f64], usize, Option<&[f64]>) -> specfast_core::error::Result<R>,
 ) -> PyResult<R> {
     let p = extract_probs("target_probs", target)?;
     let q = draft_probs
@@ -173,7 +174,7 @@ fn dispatch<R>(
             ))
         }
     };
-    Ok(out?)
+    out.map_err(py_err)
 }
 
 /// Greedy verification: the accepted prefix of `draft` plus the target's token at the first
@@ -182,7 +183,7 @@ fn dispatch<R>(
 fn accept_greedy(draft: &Bound<'_, PyAny>, target_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let draft = extract_ids("draft", draft)?;
     let target = extract_ids("target_ids", target_ids)?;
-    Ok(accept::accept_greedy(&draft, &target)?)
+    accept::accept_greedy(&draft, &target).map_err(py_err)
 }
 
 /// Speculative sampling with seeded randomness (SplitMix64).

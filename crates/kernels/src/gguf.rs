@@ -50,8 +50,8 @@
 //! padded to a line) and 1/16 for Q6_K.
 
 use half::f16;
+use specfast_core::error::Error;
 
-use crate::error::Error;
 use crate::helper::Shared;
 use crate::int8::{check_product, Activations, Kernel, Product, GROUP, PARALLEL_MIN};
 #[cfg(target_arch = "x86_64")]

@@ -14,7 +14,8 @@
 //! 16 rows × 4 bytes (64 bytes, one zmm). A pass reads every block once for all of its rows: a
 //! few rows at a time, from L1 after the first few.
 
-use crate::error::Error;
+use specfast_core::error::Error;
+
 use crate::helper::Shared;
 use crate::simd::Path;
 use crate::slab::WeightBuf;
