@@ -38,6 +38,7 @@ import specfast
 from specfast.bench.llama import llama_cpp_engine, load_llamas
 from specfast.bench.workloads import build_workloads
 from specfast.drafters import make_drafter
+from specfast.drafters.base import DraftSetup
 from specfast.hardware import cpu_flags_label
 
 MAX_PASS = 17
@@ -80,16 +81,7 @@ def _replay_auto(runs: list[dict], costs: dict[int, float], key: object) -> list
     out = []
     for run in runs:
         truth = run["output"]
-        d = make_drafter(
-            "ngram",
-            target=key,
-            fixed_k=None,
-            max_length=1 << 20,
-            seed=0,
-            params={},
-            vocabulary=None,
-            eos_ids=[],
-        )
+        d = make_drafter("ngram", DraftSetup(key, None, 1 << 20, vocabulary=None))
         d.extend(run["prompt"])
         d.extend(truth[:1])
         i, seconds = 1, 0.0

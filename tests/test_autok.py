@@ -296,18 +296,10 @@ def test_a_long_draft_accepted_whole_rearms_backed_off_buckets():
 
 def test_generate_drafters_start_from_the_last_calls_rates():
     from specfast.drafters import make_drafter
+    from specfast.drafters.base import DraftSetup
 
     def make(target):
-        return make_drafter(
-            "ngram",
-            target=target,
-            fixed_k=None,
-            max_length=64,
-            seed=0,
-            params={},
-            vocabulary=None,
-            eos_ids=[],
-        )
+        return make_drafter("ngram", DraftSetup(target, None, 64, vocabulary=None))
 
     target = Target()
     first = make(target)

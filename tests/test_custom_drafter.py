@@ -3,6 +3,7 @@ proposes what followed the last earlier occurrence of the last token (a bigram l
 object with the drafter protocol (`specfast.drafters.base.Drafter`) is taken as it is."""
 
 import copy
+from typing import ClassVar
 
 import specfast
 from specfast import Model, ModelConfig
@@ -58,3 +59,38 @@ def test_a_drafter_of_ones_own_speculates_exactly():
     # The round used it: its proposals were drafted and its feedback came back.
     assert drafter.proposed == out.stats.draft_tokens > 0
     assert drafter.accepted == out.stats.accepted_tokens
+
+
+class NamedBigram(BigramDrafter):
+    """The same drafter under a name of its own: a class that binds itself to the generation
+    (`bind(name, setup)`) and one line in drafters.NAMED, as a drafter of the package is added."""
+
+    made: ClassVar[list] = []
+
+    @classmethod
+    def bind(cls, name, setup):
+        made = cls(k=setup.fixed_k or 4)
+        cls.made.append((name, setup.max_length, made))
+        return made
+
+
+def test_a_named_drafter_is_one_class_and_one_line(monkeypatch):
+    import pytest
+
+    from specfast import drafters
+
+    model = Model.from_config(
+        ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2), seed=5
+    )
+    prompt = [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 3]
+    want = specfast.generate(model, prompt, max_new_tokens=40, drafter=None).token_ids
+    with pytest.raises(ValueError, match='"ngram", "eagle"'):  # not a name yet
+        specfast.generate(model, prompt, max_new_tokens=40, drafter="bigram")
+    monkeypatch.setitem(drafters.NAMED, "bigram", NamedBigram.bind)
+    out = specfast.generate(
+        model, prompt, max_new_tokens=40, drafter="bigram", num_speculative_tokens=3
+    )
+    assert out.token_ids == want
+    name, max_length, made = NamedBigram.made[-1]
+    assert (name, max_length, made.k) == ("bigram", len(prompt) + 40, 3)
+    assert made.proposed == out.stats.draft_tokens > 0

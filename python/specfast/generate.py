@@ -18,7 +18,7 @@ import torch
 from specfast._core import accept_greedy, accept_sampled
 from specfast.chat import is_messages, render_chat
 from specfast.drafters import make_drafter
-from specfast.drafters.base import Verified, feature_layers
+from specfast.drafters.base import DraftSetup, Verified, feature_layers
 from specfast.drafters.model import common_tokens
 from specfast.sampling import accept_sampled_torch, logits_to_probs, position_uniforms, sample_rows
 from specfast.settings import (
@@ -90,16 +90,16 @@ def generate(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"model's context of {max_context} tokens{target.context_hint}"
         )
-    the_drafter = make_drafter(
-        drafter,
-        target=target,
-        fixed_k=fixed_k,
-        max_length=len(prompt_ids) + max_new_tokens,
-        seed=settings.seed,
-        params=settings.params,
-        vocabulary=draft_vocabulary,
-        eos_ids=sorted(settings.eos_ids),
+    setup = DraftSetup(
+        target,
+        fixed_k,
+        len(prompt_ids) + max_new_tokens,
+        settings.seed,
+        settings.params,
+        draft_vocabulary,
+        tuple(sorted(settings.eos_ids)),
     )
+    the_drafter = make_drafter(drafter, setup)
     start = time.perf_counter()
     with torch.inference_mode():
         decoder = make_decoder(target, len(prompt_ids) + max_new_tokens)

@@ -52,6 +52,7 @@ from specfast._core import NgramDrafter
 from specfast.chat import render_chat
 from specfast.corpus import tokenizer_fingerprint
 from specfast.drafters import make_drafter
+from specfast.drafters.base import DraftSetup
 from specfast.drafters.model import common_tokens
 from specfast.generate import run_turn
 from specfast.settings import check_k, check_settings, encode_text, prompt_to_ids
@@ -315,16 +316,16 @@ class Session:
         return new
 
     def _make_drafter(self, drafter, settings):
-        return make_drafter(
-            drafter,
-            target=self.target,
-            fixed_k=self.fixed_k,
-            max_length=self.max_length,
-            seed=settings.seed,
-            params=settings.params,
-            vocabulary=self.draft_vocabulary,
-            eos_ids=sorted(settings.eos_ids),
+        setup = DraftSetup(
+            self.target,
+            self.fixed_k,
+            self.max_length,
+            settings.seed,
+            settings.params,
+            self.draft_vocabulary,
+            tuple(sorted(settings.eos_ids)),
         )
+        return make_drafter(drafter, setup)
 
 
 # ----------------------------------------------------------------------------

@@ -4,41 +4,39 @@ which turns generate()'s `drafter=` argument into one of them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from specfast._core import NgramDrafter
 from specfast.autok import shared_match_rates, shared_pass_costs
-from specfast.drafters.base import Drafter, NoDraft
+from specfast.drafters.base import Drafter, DraftSetup, NoDraft
 from specfast.drafters.chain import ChainDraft
 from specfast.drafters.combined import CombinedDrafter, NgramOrChain
-from specfast.drafters.eagle import EagleDraft, load_head
+from specfast.drafters.eagle import EagleDraft
 from specfast.drafters.model import DraftModelDrafter
 from specfast.drafters.ngram import IndexDraft
 from specfast.eagle.head import EagleHead
 from specfast.targets import try_target
-from specfast.targets.base import Target
+
+# The names generate()'s `drafter=` takes, "name" or "name:argument": the class that binds
+# itself to the target and settings (`bind(the string, setup)`). A new drafter is a module
+# with its class, plus a line here.
+NAMED: dict[str, Callable[[Any, DraftSetup], Drafter]] = {
+    "ngram": IndexDraft.bind,
+    "eagle": EagleDraft.bind,  # "eagle", "eagle:PATH"
+}
 
 
-def make_drafter(
-    drafter: Any,
-    *,
-    target: Target,
-    fixed_k: int | None,
-    max_length: int,
-    seed: int,
-    params: dict,
-    vocabulary: int | str | None,
-    eos_ids: list[int],
-) -> Drafter:
-    """The protocol object for generate()'s `drafter` argument: "ngram", None, an NgramDrafter
-    (or any object with extend/propose), a draft model, a CombinedDrafter, or an EAGLE head
-    ("eagle", "eagle:PATH", an EagleHead from load_eagle). Its auto k starts from the pass
-    costs earlier calls measured on this target and the rates the last call ended with: the
-    n-gram's, and the draft model's if it was the same one (autok.shared_pass_costs,
-    autok.shared_match_rates)."""
-    made = _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids)
+def make_drafter(drafter: Any, setup: DraftSetup) -> Drafter:
+    """The protocol object for generate()'s `drafter` argument: a name of `NAMED` ("ngram",
+    "eagle", "eagle:PATH"), None, an NgramDrafter (or any object with extend/propose), a draft
+    model, a CombinedDrafter, an EagleHead from load_eagle, or a Drafter itself. Its auto k
+    starts from the pass costs earlier calls measured on this target and the rates the last
+    call ended with: the n-gram's, and the draft model's if it was the same one
+    (autok.shared_pass_costs, autok.shared_match_rates)."""
+    made = _make(drafter, setup)
     auto = getattr(made, "auto", None)
     if auto is not None:
+        target = setup.target
         auto.use_pass_costs(shared_pass_costs(target.source))
         auto.use_match_rates(shared_match_rates(target.source), draft=_draft_model(drafter))
     return made
@@ -54,47 +52,49 @@ def _draft_model(drafter):
     return drafter if isinstance(drafter, EagleHead) or try_target(drafter) is not None else None
 
 
-def _make(drafter, target, fixed_k, max_length, seed, params, vocabulary, eos_ids) -> Drafter:
+def _make(drafter, setup: DraftSetup) -> Drafter:
     if drafter is None:
         return NoDraft()
-    if isinstance(drafter, str) and drafter == "ngram":
-        return IndexDraft(NgramDrafter(), fixed_k)
-    combined = drafter if isinstance(drafter, CombinedDrafter) else None
-    draft = combined.model if combined is not None else drafter
-    if isinstance(draft, EagleHead) or (isinstance(draft, str) and _is_eagle(draft)):
-        chain: ChainDraft = EagleDraft(load_head(draft, target), target, fixed_k, max_length)
-    elif isinstance(draft, str):
-        raise ValueError(
-            f'drafter must be "ngram", "eagle", "eagle:PATH", None, an NgramDrafter, an '
-            f"EAGLE head or a model: {drafter!r}"
-        )
-    elif (draft_target := try_target(draft)) is not None:
-        chain = DraftModelDrafter(
-            draft_target,
-            target=target,
-            fixed_k=fixed_k,
-            max_length=max_length,
-            seed=seed,
-            vocabulary=vocabulary,
-            eos_ids=eos_ids,
-            **params,
-        )
-    elif combined is not None:
-        raise TypeError(
-            f"CombinedDrafter's draft must be a model or an EAGLE head, got {type(draft).__name__}"
-        )
-    elif all(hasattr(drafter, a) for a in ("propose", "observe", "start_turn", "rollback")):
+    if isinstance(drafter, str):
+        return _named(drafter)(drafter, setup)
+    if isinstance(drafter, CombinedDrafter):
+        chain = _chain(drafter.model, setup)
+        return NgramOrChain(drafter.ngram, chain, drafter.min_match)
+    if isinstance(drafter, EagleHead) or try_target(drafter) is not None:
+        return _chain(drafter, setup)
+    if all(hasattr(drafter, a) for a in ("propose", "observe", "start_turn", "rollback")):
         return drafter  # the drafter protocol itself (base.py): tests/test_custom_drafter.py
-    elif hasattr(drafter, "propose") and hasattr(drafter, "extend"):
-        return IndexDraft(drafter, fixed_k)
-    else:
-        raise TypeError(
-            'drafter must be "ngram", "eagle", None, an NgramDrafter, an EAGLE head or a draft '
-            f"model, got {type(drafter).__name__}"
+    if hasattr(drafter, "propose") and hasattr(drafter, "extend"):
+        return IndexDraft.bind(drafter, setup)
+    raise TypeError(
+        f"drafter must be {_names()}, None, an NgramDrafter, an EAGLE head or a draft model, "
+        f"got {type(drafter).__name__}"
+    )
+
+
+def _chain(draft, setup: DraftSetup) -> ChainDraft:
+    """A drafter that drafts a chain with a model: an EAGLE head (or its name), or a draft
+    model (CombinedDrafter's second part)."""
+    if isinstance(draft, EagleHead) or (isinstance(draft, str) and _is_eagle(draft)):
+        return EagleDraft.bind(draft, setup)
+    if (draft_target := try_target(draft)) is not None:
+        return DraftModelDrafter.bind(draft_target, setup)
+    raise TypeError(
+        f"CombinedDrafter's draft must be a model or an EAGLE head, got {type(draft).__name__}"
+    )
+
+
+def _named(name: str) -> Callable[[Any, DraftSetup], Drafter]:
+    bind = NAMED.get(name.partition(":")[0])
+    if bind is None:
+        raise ValueError(
+            f"drafter must be {_names()}, None, an NgramDrafter, an EAGLE head or a model: {name!r}"
         )
-    if combined is None:
-        return chain
-    return NgramOrChain(combined.ngram, chain, combined.min_match)
+    return bind
+
+
+def _names() -> str:
+    return ", ".join(f'"{n}"' for n in NAMED) + ', "eagle:PATH"'
 
 
 def _is_eagle(name: str) -> bool:

@@ -33,7 +33,9 @@ that reads the target's hidden states (an EAGLE head, drafters/eagle.py) sets `w
 second forward), and the round hands over the kept rows' features in `Verified.features` and
 the prefilled rows' in `prefill(features)`. Only specfast's own runtime returns them.
 
-Adding a drafter is one class in a module of its own under drafters/ plus a line in `make_drafter`.
+Adding a drafter is one class in a module of its own under drafters/, with a classmethod
+`bind(source, setup: DraftSetup) -> Drafter` that builds it for a target and a generation's
+settings, plus one line in drafters/__init__.py's `NAMED` for the name users pass as `drafter=`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ import torch
 
 from specfast._core import NgramDrafter
 from specfast.autok import AutoK
+from specfast.targets.base import Target
+
+
+@dataclass(frozen=True)
+class DraftSetup:
+    """What a drafter binds itself to (`bind(source, setup)`): the target and one generation's
+    settings. `fixed_k` None is auto k; `seed` and `params` the sampling a draft model matches;
+    `vocabulary` a draft model's draft_vocabulary; `eos_ids` the ids that end a reply."""
+
+    target: Target
+    fixed_k: int | None
+    max_length: int
+    seed: int = 0
+    params: dict = field(default_factory=dict)
+    vocabulary: int | str | None = "auto"
+    eos_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import specfast.eagle.head as eagle_head
-from specfast.drafters.base import Verified
+from specfast.drafters.base import DraftSetup, Verified
 from specfast.drafters.chain import ChainDraft
 from specfast.eagle.head import (
     EagleHead,
@@ -52,6 +52,12 @@ class EagleDraft(ChainDraft):
     """
 
     wants_features = True
+
+    @classmethod
+    def bind(cls, source, setup: DraftSetup) -> EagleDraft:
+        """drafter="eagle" (the default model's shipped head), "eagle:PATH", or an EagleHead."""
+        head = load_head(source, setup.target)
+        return cls(head, setup.target, setup.fixed_k, setup.max_length)
 
     def __init__(self, head: EagleHead, target: Target, fixed_k: int | None, max_length: int):
         facts = eagle_target(target)

@@ -23,6 +23,7 @@ from typing import cast
 
 import torch
 
+from specfast.drafters.base import DraftSetup
 from specfast.drafters.chain import ChainDraft
 from specfast.targets import make_decoder, tokenizer_vocab
 from specfast.targets.base import Target, common_prefix, to_device
@@ -36,6 +37,20 @@ class DraftModelDrafter(ChainDraft):
     """A draft model of the target's vocabulary (generate(..., drafter=model)). Auto k: up to
     AutoK's `max_draft_k` steps, cut by the calibrated `keep_drafting`, or none when drafting
     does not pay."""
+
+    @classmethod
+    def bind(cls, source: Target, setup: DraftSetup) -> DraftModelDrafter:
+        """A draft model (as a Target) for setup's target, sampling as the generation does."""
+        return cls(
+            source,
+            target=setup.target,
+            fixed_k=setup.fixed_k,
+            max_length=setup.max_length,
+            seed=setup.seed,
+            vocabulary=setup.vocabulary,
+            eos_ids=setup.eos_ids,
+            **setup.params,
+        )
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ import copy
 
 from specfast._core import NgramDrafter
 from specfast.autok import AutoK
-from specfast.drafters.base import Base, Drafter, Proposal, clone_ngram, copy_auto
+from specfast.drafters.base import Base, Drafter, DraftSetup, Proposal, clone_ngram, copy_auto
 
 
 class IndexDraft(Base):
@@ -20,6 +20,11 @@ class IndexDraft(Base):
         self.inner = inner
         self.fixed_k: int = fixed_k or 0  # used only without auto k (fixed_k given)
         self.auto = AutoK() if fixed_k is None else None
+
+    @classmethod
+    def bind(cls, source, setup: DraftSetup) -> IndexDraft:
+        """drafter="ngram" (a new NgramDrafter), or an object with extend and propose."""
+        return cls(NgramDrafter() if source == "ngram" else source, setup.fixed_k)
 
     def extend(self, tokens) -> None:
         self.inner.extend(tokens)
