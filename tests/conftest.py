@@ -221,7 +221,7 @@ def write_tiny_gguf(hf_model, path, matrices=None, blocks=None):
         w.add_sliding_window(cfg.sliding_window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     # tokenizer: 256 byte tokens, merged pairs, one control token at the end
-    from specfast.formats.gguf import _bytes_to_unicode
+    from specfast.formats.gguf_tokenizer import _bytes_to_unicode
 
     spelling = _bytes_to_unicode()
     tokens = [spelling[b] for b in range(256)]

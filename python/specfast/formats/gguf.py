@@ -4,7 +4,6 @@ embedding for an EAGLE head)."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from specfast.formats.common import (
     gemma3_fields,
     int_list,
 )
-from specfast.formats.spm import spm_tokenizer
+from specfast.formats.gguf_tokenizer import gguf_field, tokenizer_from_gguf
 from specfast.targets.llama_cpp.state import llama_state
 from specfast.targets.torch.embedding import FileEmbedding
 from specfast.targets.torch.int8 import CoreMatrix, q8_0_blocks, quantize
@@ -39,16 +38,6 @@ def _gguf_reader(path: Path):
         return GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, KeyError, IndexError... on bad bytes
         raise ValueError(f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") from None
-
-
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        return f.contents()
-    except Exception as e:
-        raise ValueError(f"bad GGUF metadata field {key}: {e}") from None
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -118,7 +107,7 @@ def _model_config(reader, path: Path) -> tuple[ModelConfig, dict, str]:
     """(the model's config, its tensors by name, its architecture) from a GGUF's metadata."""
     from gguf.quants import dequantize
 
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported by specfast's runtime (it "
@@ -126,10 +115,10 @@ def _model_config(reader, path: Path) -> tuple[ModelConfig, dict, str]:
             "specfast's drafters: specfast.load_model(path, backend='llama.cpp')"
         )
     tensors = {t.name: t for t in reader.tensors}
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
 
     def meta(key, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return gguf_field(reader, f"{arch}.{key}", default)
 
     try:
         n_heads = int(meta("attention.head_count"))
@@ -188,7 +177,7 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", reader=Non
     the file's GGUFReader, where the caller has opened it already."""
     reader = _gguf_reader(path) if reader is None else reader
     config, tensors, arch = _model_config(reader, path)
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     n_heads, n_kv = config.n_heads, config.n_kv_heads
 
     # llama.cpp permutes Q/K rows for llama-arch (interleaved RoPE); qwen2/3 use NEOX RoPE as-is.
@@ -327,8 +316,8 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "float", reader=Non
     model.file_types = _layer_types(tensors, config.n_layers)
 
     model.tokenizer = tokenizer_from_gguf(reader, path) if tokens else None
-    model.chat_template = _field(reader, "tokenizer.chat_template")
-    eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    model.chat_template = gguf_field(reader, "tokenizer.chat_template")
+    eos = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     model.eos_token_ids = list(dict.fromkeys(int_list([e for e in eos if e is not None])))
     return model
 
@@ -400,114 +389,3 @@ def llama_embedding(llama, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if dtype not in cache:
         cache[dtype] = gguf_tensor(llama.model_path, "token_embd.weight").to(dtype)
     return cache[dtype]
-
-
-# -----------------------------------------------------------------------------
-# tokenizer from GGUF metadata (byte-level BPE, as llama.cpp's "gpt2" tokenizer model)
-
-# How each `tokenizer.ggml.pre` splits text before BPE (llama.cpp llama-vocab.cpp). Missing: the
-# GPT-2 split that ByteLevel applies itself.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map that byte-level vocabularies are spelled in."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
-def tokenizer_from_gguf(reader, path: Path):
-    """A `tokenizers.Tokenizer` built from a GGUF's metadata, or None (with a warning) when the
-    file's tokenizer model is neither byte-level BPE nor SentencePiece (formats/spm.py)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers as pre
-
-    kind = _field(reader, "tokenizer.ggml.model")
-    if kind == "llama":  # SentencePiece (Gemma, Llama 2)
-        return spm_tokenizer(
-            list(_field(reader, "tokenizer.ggml.tokens")),
-            [float(s) for s in _field(reader, "tokenizer.ggml.scores") or []],
-            [int(t) for t in _field(reader, "tokenizer.ggml.token_type") or []],
-            bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
-            add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
-            path=path,
-        )
-    if kind != "gpt2":
-        warnings.warn(
-            f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', and "
-            "SentencePiece, 'llama', are); the model loads without a tokenizer",
-            stacklevel=3,
-        )
-        return None
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type") or [])
-    merges = _field(reader, "tokenizer.ggml.merges") or []
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-
-    def spell(t):  # a token spelled outside the byte alphabet: respell its UTF-8 bytes
-        return t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
-
-    vocab = {spell(t): i for i, t in enumerate(tokens)}
-    pairs = []
-    for m in merges:
-        a, sep, b = m.partition(" ")
-        if not sep:
-            raise ValueError(f"{path}: malformed merge {m!r} in tokenizer.ggml.merges")
-        pairs.append((a, b))
-    try:
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    except Exception as e:
-        raise ValueError(f"{path}: cannot build the tokenizer: {e}") from None
-    pre_type = _field(reader, "tokenizer.ggml.pre")
-    split = _PRE_SPLITS.get(pre_type)
-    if split is not None:
-        tok.pre_tokenizer = pre.Sequence(
-            [pre.Split(Regex(split), behavior="isolated"), pre.ByteLevel(False, use_regex=False)]
-        )
-        if pre_type.startswith("qwen2") or pre_type == "deepseek-r1-qwen":
-            tok.normalizer = normalizers.NFC()
-    else:
-        tok.pre_tokenizer = pre.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    # 3 = CONTROL (like <|im_end|>): special, never split. 4 = USER_DEFINED: added, not special.
-    # A control token outside the byte alphabet is a llama.cpp mislabel; adding it would grow the
-    # vocabulary past the model's, so it is skipped (as transformers does).
-    tok.add_special_tokens(
-        [
-            AddedToken(t, normalized=False, special=True)
-            for t, ty in zip(tokens, types, strict=False)
-            if ty == 3 and set(t) <= alphabet
-        ]
-    )
-    tok.add_tokens(
-        [
-            AddedToken(t, normalized=False, special=False)
-            for t, ty in zip(tokens, types, strict=False)
-            if ty == 4
-        ]
-    )
-    return tok
