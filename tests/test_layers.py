@@ -6,7 +6,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "specfast"
 LAYERS = {"_core": 1, "sampling": 1, "autok": 1, "hardware": 1, "corpus": 1, "targets": 2}
-LAYERS |= {"stats": 1, "chat": 1, "streaming": 1, "settings": 3}
+LAYERS |= {"stats": 1, "chat": 1, "streaming": 1, "constraints": 1, "settings": 3}
 LAYERS |= {"formats": 3, "drafters": 4, "eagle": 4, "generate": 5, "session": 5, "": 5}
 LAYERS |= {"cli": 6, "serve": 6, "bench": 6, "eagle.data": 6, "eagle.train": 6, "eagle.job": 6}
 LAYERS |= {"eagle.prompts": 6, "__main__": 6, "vllm": 6}

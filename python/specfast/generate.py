@@ -17,6 +17,7 @@ import torch
 
 from specfast._core import accept_greedy, accept_sampled
 from specfast.chat import is_messages, render_chat
+from specfast.constraints import Constraint
 from specfast.drafters import make_drafter
 from specfast.drafters.base import DraftSetup, Verified, feature_layers
 from specfast.drafters.model import common_tokens
@@ -52,6 +53,7 @@ def generate(
     tokenizer: Any = None,
     ignore_eos: bool = False,
     draft_vocabulary: int | str | None = "auto",
+    response_format: Any = None,
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens; greedy output is what the model alone gives.
 
@@ -61,6 +63,10 @@ def generate(
     that receives text as tokens are committed. `ignore_eos` keeps going past EOS (benchmarks).
     `draft_vocabulary` (a specfast draft model only): the draft proposes from its N lowest token
     ids plus the sequence's own tokens; "auto" = 32768 for vocabularies over 65536, None = all.
+    `response_format` constrains the reply to a grammar (constraints.py): {"type": "json_object"},
+    OpenAI's {"type": "json_schema", "json_schema": {"schema": {...}}}, {"type": "regex",
+    "regex": ...} or {"type": "grammar", "grammar": <lark>}; greedy output is then the masked
+    argmax at every position, with or without speculation.
     A call is a one-turn Session: it prefills the whole prompt into a fresh cache.
     """
     fixed_k = check_k(num_speculative_tokens)
@@ -81,6 +87,7 @@ def generate(
         stop_strings=stop_strings,
         streamer=streamer,
         ignore_eos=ignore_eos,
+        response_format=response_format,
     )
     if is_messages(prompt):  # chat messages: the model's own chat template, as pipelines do
         prompt = render_chat(prompt, target.chat_template)
@@ -119,8 +126,11 @@ def run_turn(
     and the drafter `ids[:indexed]`; the rest is prefilled here, then rounds run to the end.
     Returns with the cache holding every committed token but the last, as a round leaves it."""
     start = time.perf_counter() if start is None else start
-    stats = GenerationStats(acceptance_histogram=[0] * ((fixed_k or MAX_SPECULATIVE_TOKENS) + 1))
     s = settings
+    constraint = Constraint(s.grammar) if s.grammar is not None else None
+    # Forced tokens lengthen a constrained round's draft past k: count runs up to the cap.
+    longest = fixed_k if fixed_k is not None and constraint is None else MAX_SPECULATIVE_TOKENS
+    stats = GenerationStats(acceptance_histogram=[0] * (longest + 1))
     emit = Emitter(s.streamer, s.tokenizer, ids, s.eos_ids, s.stops, s.max_new_tokens)
     drafter.start_turn(s.seed, s.params if s.sampling is not None else None)
     # A decoder may ask for torch on fewer threads (an int8 model's, whose core keeps a helper
@@ -130,20 +140,24 @@ def run_turn(
         reused = decoder.length
         new = torch.tensor(ids[reused:], dtype=torch.long, device=s.device)
         logits, features = _forward(decoder, new, feature_layers(drafter), last_only=True)
+        if constraint is not None:  # the first token is the grammar's too
+            logits = constraint.plan([], None, 0).mask(logits)
         first = _choose(logits, [], None, 0, s.sampling)
         stats.target_passes = 1
         stats.prefill_tokens, stats.reused_tokens = len(ids) - reused, reused
         stats.prefill_seconds = time.perf_counter() - start
         emit.commit(*first)
+        if constraint is not None:
+            constraint.commit(emit.token_ids)
         drafter.extend(ids[indexed:])
         drafter.extend(emit.token_ids)
         drafter.prefill(features)  # a draft model reads the prompt now, not in round one
         while not emit.done:
-            speculate(decoder, drafter, emit, s, stats)
+            speculate(decoder, drafter, emit, s, stats, constraint)
     stats.seconds = time.perf_counter() - start
     stats.new_tokens = len(emit.token_ids)
     emit.end()
-    if fixed_k is None:
+    if longest != fixed_k:
         # Trim the histogram to the longest run seen so "auto" output stays readable.
         last = max((i for i, n in enumerate(stats.acceptance_histogram) if n), default=0)
         stats.acceptance_histogram = stats.acceptance_histogram[: last + 1]
@@ -151,9 +165,18 @@ def run_turn(
     return GenerateOutput(emit.token_ids, text, stats, emit.finish_reason)
 
 
-def speculate(decoder: Decoder, drafter, emit: Emitter, settings: Settings, stats: GenerationStats):
+def speculate(
+    decoder: Decoder,
+    drafter,
+    emit: Emitter,
+    settings: Settings,
+    stats: GenerationStats,
+    constraint: Constraint | None = None,
+):
     """One round: propose, verify [last, *draft] in one target pass, accept, roll back the
-    rejected rows, commit, tell the drafter. The same for every drafter (drafters/)."""
+    rejected rows, commit, tell the drafter. The same for every drafter (drafters/). Under a
+    grammar the draft is cut where the grammar refuses it, the tokens it forces are appended,
+    and every row is masked (constraints.py says why that is exact)."""
     budget = emit.max_new_tokens - len(emit.token_ids) - 1  # proposals past this are wasted
     t0 = time.perf_counter()
     proposal = drafter.propose(budget)
@@ -162,13 +185,17 @@ def speculate(decoder: Decoder, drafter, emit: Emitter, settings: Settings, stat
         _check_draft(draft, settings.vocab_size)
     t1 = time.perf_counter()
     proposal.seconds = t1 - t0
-    tokens = [emit.token_ids[-1], *draft]
     sampling = settings.sampling
     q = proposal.q if sampling is not None and draft else None
+    plan = None
+    if constraint is not None:
+        plan = constraint.plan(draft, q, min(budget, MAX_SPECULATIVE_TOKENS))
+        draft, q = plan.tokens, plan.q
+    tokens = [emit.token_ids[-1], *draft]
     layers = feature_layers(drafter)
     cold = cold_passes(decoder)
     out, logits, features = _verify(
-        decoder, tokens, draft, q, len(emit.token_ids), sampling, settings.device, layers
+        decoder, tokens, draft, q, len(emit.token_ids), sampling, settings.device, layers, plan
     )
     seconds: float | None = time.perf_counter() - t1
     n_accepted = len(out) - 1
@@ -179,10 +206,19 @@ def speculate(decoder: Decoder, drafter, emit: Emitter, settings: Settings, stat
         # The pass compiled a graph: seconds where a pass takes milliseconds, no measure of what
         # a pass of that length costs. The drafter gets no time (auto k keeps the acceptance).
         seconds = None
-    drafter.observe(proposal, n_accepted, seconds, verified)
+    own = n_accepted
+    if plan is not None:
+        # The drafter hears of its own tokens only, and a pass the grammar cut or lengthened is
+        # no price for the length the drafter chose.
+        own = min(n_accepted, plan.proposed)
+        seconds = seconds if len(draft) == len(proposal.tokens) else None
+        stats.forced_tokens += plan.forced
+    drafter.observe(proposal, own, seconds, verified)
     # Keep [last, accepted drafts] in the cache; the new token goes in next round.
     decoder.rollback(decoder.length - len(draft) + n_accepted)
     committed = emit.commit(*out)
+    if constraint is not None:
+        constraint.commit(emit.token_ids[-committed:])
     stats.target_passes += 1
     stats.draft_tokens += len(draft)
     stats.accepted_tokens += min(n_accepted, committed)
@@ -196,21 +232,24 @@ def cold_passes(decoder: Decoder) -> int:
     return decoder.cold_passes
 
 
-def _verify(decoder, tokens, draft, q, pos, sampling, device, layers=None):
+def _verify(decoder, tokens, draft, q, pos, sampling, device, layers=None, plan=None):
     """One target pass over tokens = [last, *draft] -> (tokens it commits, its logits or None,
     the features of `layers` for every row or None).
 
     Greedy: the argmax of every row is taken inside the step (a compiled step's graph) and the
     k+1 ids are the round's one device-to-host copy (`greedy_ids`: lists in and out, so
     llama.cpp's decoder needs no torch call); the accepted count is their leading run of
-    matches, counted on the host (O(k)). Sampling needs the logits."""
-    if sampling is None and layers is None:
+    matches, counted on the host (O(k)). Sampling needs the logits, and so does a grammar: its
+    masks (`plan`) are applied to every row before the argmax or the sampling transforms."""
+    if sampling is None and layers is None and plan is None:
         return accept_greedy(draft, decoder.greedy_ids(tokens)), None, None
     ids = to_device(tokens, device)  # no blocking upload: the ids coming back are the one sync
-    if sampling is None:
+    if sampling is None and plan is None:
         top, features = decoder.forward_greedy(ids, features=layers)
         return accept_greedy(draft, top.tolist()), None, features
     logits, features = _forward(decoder, ids, layers)  # (1 + len(draft), V)
+    if plan is not None:
+        logits = plan.mask(logits)
     return _choose(logits, draft, q, pos, sampling), logits, features
 
 

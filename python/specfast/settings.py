@@ -1,6 +1,6 @@
 """One call's generation options, checked in one place for generate() and Session.send: the
-prompt's token ids, sampling, EOS ids, stop strings and the streamer. Bad values raise ValueError
-or TypeError saying what is allowed."""
+prompt's token ids, sampling, EOS ids, stop strings, the streamer and the response format. Bad
+values raise ValueError or TypeError saying what is allowed."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specfast.constraints import Grammar, check_response_format
 from specfast.sampling import check_sampling_params
 from specfast.targets.base import Target
 
@@ -92,6 +93,7 @@ class Settings:
     tokenizer: Any
     vocab_size: int
     device: torch.device
+    grammar: Grammar | None = None  # response_format's, checked and compiled
 
 
 def check_settings(
@@ -108,6 +110,7 @@ def check_settings(
     stop_strings: str | Sequence[str] | None = None,
     streamer: Any = None,
     ignore_eos: bool = False,
+    response_format: Any = None,
 ) -> Settings:
     """Checks generate()'s per-call options; ValueError/TypeError say what is allowed."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
@@ -126,6 +129,7 @@ def check_settings(
         raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed}")
     eos_ids = _eos_ids(eos_token_id, target, ignore_eos)
     stops = _stop_strings(stop_strings, tokenizer)
+    grammar = check_response_format(response_format, tokenizer, target.vocab_size, eos_ids)
     seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     sampling = None if temperature == 0 else (seed, params)
     return Settings(
@@ -139,6 +143,7 @@ def check_settings(
         tokenizer,
         target.vocab_size,
         target.device,
+        grammar,
     )
 
 

@@ -11,8 +11,9 @@ class GenerationStats:
     """What a generate() call did. `mean_acceptance_length` is vLLM's: 1 + accepted / steps."""
 
     target_passes: int = 0  # every target forward, prefill included
-    draft_tokens: int = 0  # tokens proposed and verified
-    accepted_tokens: int = 0  # proposed tokens that were committed
+    draft_tokens: int = 0  # tokens proposed and verified (forced ones included)
+    accepted_tokens: int = 0  # proposed tokens that were committed (forced ones included)
+    forced_tokens: int = 0  # tokens a response_format's grammar forced, verified as free drafts
     acceptance_histogram: list[int] = field(default_factory=list)  # [n] = rounds accepting n
     new_tokens: int = 0
     seconds: float = 0.0  # wall time, prefill included
@@ -41,6 +42,7 @@ class GenerationStats:
             "target_passes": self.target_passes,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "forced_tokens": self.forced_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_histogram": list(self.acceptance_histogram),
