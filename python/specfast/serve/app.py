@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from specfast.chat import render_chat
+from specfast.constraints import check_response_format
 from specfast.serve.pool import Pool
 from specfast.serve.protocol import (
     BadRequest,
@@ -122,6 +123,16 @@ class Server:
             raise BadRequest(f"{field_name} renders to no tokens", field_name)
         return ids
 
+    def check_format(self, req: Request) -> None:
+        """A 400 naming response_format when its schema does not compile for this model."""
+        if req.response_format is None:
+            return
+        eos = set(self.target.eos_token_ids)
+        try:
+            check_response_format(req.response_format, self.tokenizer, self.vocab_size, eos)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(str(e), "response_format") from None
+
     def budget(self, req: Request, n_prompt: int) -> int:
         """max_new_tokens for the request; a 400 when the prompt and max_tokens do not fit."""
         room = self.pool.max_length - n_prompt
@@ -178,6 +189,7 @@ class Server:
                 seed=req.seed,
                 stop_strings=req.stop or None,
                 streamer=self.streamer(job) if req.stream else None,
+                response_format=req.response_format,
             )
         except Disconnected:
             self.cancelled += 1
@@ -286,6 +298,7 @@ def build_app(server: Server) -> Starlette:
         try:
             req = parse_request(await read_json(request), kind, server.model_id, server.defaults)
             ids = server.prompt_ids(req)
+            server.check_format(req)
             job = Job(req, ids, server.budget(req, len(ids)), asyncio.get_running_loop())
             server.submit(job)
         except BadRequest as e:

@@ -26,7 +26,12 @@ COMMON_FIELDS = {
     # Accepted at their "off" values only (see IGNORED_AT_DEFAULT).
     "frequency_penalty", "presence_penalty", "logprobs", "logit_bias",
 }  # fmt: skip
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 # Fields clients send by default; their "off" value changes nothing, anything else would.
 IGNORED_AT_DEFAULT = {
@@ -69,6 +74,7 @@ class Request:
     include_usage: bool = False
     drafter: str = "ngram"
     k: int | str = "auto"
+    response_format: dict | None = None  # json_object or json_schema; None: free text
     id: str = ""
     created: int = 0
 
@@ -119,9 +125,28 @@ def parse_request(body: Any, kind: str, model_id: str, defaults: dict[str, Any])
         include_usage=_include_usage(body),
         drafter=_drafter(body, defaults["drafter"]),
         k=_k(body, defaults["k"]),
+        response_format=_response_format(body),
         id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
         created=int(time.time()),
     )
+
+
+def _response_format(body: dict) -> dict | None:
+    """OpenAI's response_format: text (no constraint), json_object or json_schema (with its
+    name, schema and strict). The schema itself is checked against the model's tokenizer by the
+    server (constraints.check_response_format) before the request is queued."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(rf, dict) or rf.get("type") not in kinds:
+        raise BadRequest(
+            'response_format must be {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, got '
+            f"{rf!r}"[:300],
+            "response_format",
+        )
+    return None if rf["type"] == "text" else rf
 
 
 def _json_type(v: Any) -> str:
@@ -309,6 +334,7 @@ def specfast_stats(stats) -> dict[str, Any]:
         "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
         "draft_tokens": stats.draft_tokens,
         "accepted_tokens": stats.accepted_tokens,
+        "forced_tokens": stats.forced_tokens,
         "reused_prompt_tokens": stats.reused_tokens,
         "prefill_tokens": stats.prefill_tokens,
         "prefill_seconds": round(stats.prefill_seconds, 6),
