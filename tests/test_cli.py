@@ -472,3 +472,29 @@ def test_generate_with_a_draft_vocabulary(tiny_model_dir, capsys, vocabulary):
 def test_a_bad_draft_vocabulary_is_refused(capsys):
     rc, _, err = run_main(["generate", "--prompt", "hi", "--draft-vocabulary", "some"], capsys)
     assert rc != 0 and "'auto' or 'all'" in err
+
+
+def test_generate_with_a_json_schema_and_a_regex(smollm_gguf, tmp_path, capsys):
+    import re
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(schema))
+    prompt = "Alice Smith is 34. Her name and age as JSON:"
+    argv = ["generate", "--model", str(smollm_gguf), "--prompt", prompt, "--max-new-tokens", "40"]
+    rc, out, err = run_main([*argv, "--json-schema", str(path)], capsys)
+    assert rc == 0, err
+    reply = json.loads(out)  # the grammar completed within 40 tokens: the schema's JSON
+    assert set(reply) == {"name", "age"} and isinstance(reply["age"], int)
+    assert "forced by the format" in err  # its forced tokens rode as free drafts
+    rc, out, err = run_main([*argv, "--regex", "[0-9]{2} years"], capsys)
+    assert rc == 0 and re.fullmatch("[0-9]{2} years", out.strip()), (out, err)
+    rc, free, _ = run_main(argv, capsys)  # control: the same prompt without a format
+    assert rc == 0 and not re.fullmatch("[0-9]{2} years", free.strip())
+    rc, _, err = run_main([*argv, "--json-schema", str(tmp_path / "missing.json")], capsys)
+    assert rc == 1 and "--json-schema" in err  # a bad file is a clear error

