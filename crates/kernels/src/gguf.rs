@@ -53,7 +53,7 @@ use half::f16;
 use specfast_core::error::Error;
 
 use crate::helper::Shared;
-use crate::int8::{check_product, Activations, Kernel, Product, GROUP, PARALLEL_MIN};
+use crate::int8::{check_product, Activations, Kernel, Product, GROUP, PARALLEL_MIN, ROW_VALUES};
 #[cfg(target_arch = "x86_64")]
 use crate::q4::has_f16c;
 use crate::q4::{chunks, write_block};
@@ -838,7 +838,8 @@ struct SuperActs {
 }
 
 impl SuperActs {
-    /// Quantizes x (n, cols); the K types' cols are whole super-blocks, so width = cols.
+    /// Quantizes x (n, cols); the K types' cols are whole super-blocks, so width = cols. Rows
+    /// are split between the threads as [`Activations::quantize`] splits them (a prefill's).
     fn quantize(x: &[f32], n: usize, cols: usize, width: usize) -> SuperActs {
         assert!(cols == width && width.is_multiple_of(SUPER));
         let sbs = width / SUPER;
@@ -848,28 +849,61 @@ impl SuperActs {
             sums16: vec![0; n * width / 16],
             bad: vec![false; n],
         };
-        #[cfg(target_arch = "x86_64")]
-        let avx512 = is_x86_feature_detected!("avx512f");
-        for (r, row) in x[..n * cols].chunks_exact(cols).enumerate() {
-            a.bad[r] = row.iter().any(|v| !v.is_finite());
-            for s in 0..sbs {
-                let (lo, hi) = (r * width + s * SUPER, r * width + (s + 1) * SUPER);
-                let (xs, q) = (&row[s * SUPER..(s + 1) * SUPER], &mut a.q[lo..hi]);
-                let sums = &mut a.sums16[lo / 16..hi / 16];
-                #[cfg(target_arch = "x86_64")]
-                if avx512 {
-                    // SAFETY: the CPU has AVX-512F (checked above); the slices hold one
-                    // super-block.
-                    a.scales[r * sbs + s] = unsafe { x86::quantize_super(xs, q, sums) };
-                    continue;
-                }
-                a.scales[r * sbs + s] = crate::int8::quantize(xs, q);
-                for (sum, q) in sums.iter_mut().zip(q.chunks_exact(16)) {
-                    *sum = q.iter().map(|&v| i32::from(v)).sum();
-                }
+        let (qs, ss, us, bs) = (
+            Shared::new(&mut a.q),
+            Shared::new(&mut a.scales),
+            Shared::new(&mut a.sums16),
+            Shared::new(&mut a.bad),
+        );
+        crate::helper::for_row_ranges(n, ROW_VALUES / width, |rows| {
+            // SAFETY: the ranges of rows are disjoint, and so are their parts of each array.
+            let (q, scales, sums16, bad) = unsafe {
+                (
+                    qs.part(rows.start * width..rows.end * width),
+                    ss.part(rows.start * sbs..rows.end * sbs),
+                    us.part(rows.start * width / 16..rows.end * width / 16),
+                    bs.part(rows.clone()),
+                )
+            };
+            let x = &x[rows.start * cols..rows.end * cols];
+            quantize_super_rows(x, width, q, scales, sums16, bad);
+        });
+        a
+    }
+}
+
+/// Rows x (r, width) quantized per super-block into q, scales (r, width / 256), sums per 16
+/// (r, width / 16) and whether each row is all finite.
+fn quantize_super_rows(
+    x: &[f32],
+    width: usize,
+    q: &mut [i8],
+    scales: &mut [f32],
+    sums16: &mut [i32],
+    bad: &mut [bool],
+) {
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = is_x86_feature_detected!("avx512f");
+    for (r, row) in x.chunks_exact(width).enumerate() {
+        bad[r] = row.iter().any(|v| !v.is_finite());
+        for (s, xs) in row.chunks_exact(SUPER).enumerate() {
+            let at = r * width + s * SUPER;
+            let (q, sums) = (
+                &mut q[at..at + SUPER],
+                &mut sums16[at / 16..(at + SUPER) / 16],
+            );
+            let scale = &mut scales[r * (width / SUPER) + s];
+            #[cfg(target_arch = "x86_64")]
+            if avx512 {
+                // SAFETY: the CPU has AVX-512F (checked above); the slices hold one super-block.
+                *scale = unsafe { x86::quantize_super(xs, q, sums) };
+                continue;
+            }
+            *scale = crate::int8::quantize(xs, q);
+            for (sum, q) in sums.iter_mut().zip(q.chunks_exact(16)) {
+                *sum = q.iter().map(|&v| i32::from(v)).sum();
             }
         }
-        a
     }
 }
 
@@ -981,7 +1015,7 @@ impl Woven {
                 }
                 if !w.start16.is_empty() {
                     for j in 0..2 * groups {
-                        w.start16[2 * r0 * groups + j * m + i] = -32 * sum16(j);
+                        w.start16[2 * r0 * groups + j * m + i] = -offset(Q6K) * sum16(j);
                     }
                 }
             }
@@ -1935,7 +1969,8 @@ mod tests {
     fn every_kernel_equals_the_reference_bit_for_bit() {
         for (parts, cols) in cases() {
             let m = matrix(&parts, cols);
-            for n in [1, 2, 3, 4, 5, 9, 10, 11, 23] {
+            for n in [1, 2, 3, 4, 5, 9, 10, 11, 23, 40] {
+                // 40 rows: the activations are quantized by both threads
                 let mut x = lcg(7 + n as u64, n * cols);
                 if n == 5 {
                     x[2 * cols + 3] = f32::NAN; // row 2 only is NaN
