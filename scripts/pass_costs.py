@@ -105,7 +105,7 @@ def main() -> None:
         if k != "llama.cpp":
             line += f"  t(1) {per_round('llama.cpp/1', f'{k}/1'):.2f}x llama.cpp's speed"
         print(line, flush=True)
-    # On a shared machine a neighbour's load slows some passes; the fastest pass of each kind
+    # Other load on the machine slows some passes; the fastest pass of each kind
     # is the engine's own cost.
     print(f"fastest pass of {a.rounds} x 5:")
     for k in runs:
