@@ -2,7 +2,7 @@
 
 Until the change, q, k and v reached scaled_dot_product_attention as 3-D (Hkv, g*T, hd) tensors,
 the g query heads of a kv head folded into its rows and the mask repeated g times;
-`targets.torch.model.attention` hands them over as 4-D grouped-query heads, as CUDA's fused
+`model.model.attention` hands them over as 4-D grouped-query heads, as CUDA's fused
 kernels need (recent torch's CPU flash kernel takes both), causal for a prefill from position 0.
 Here both run the same passes of the same model, interleaved (old, new,
 old, new, ...) so the machine's load weighs on both alike; the median and the minimum of each
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import specfast
 from specfast.hardware import cpu_flags_label
-from specfast.targets.torch import model as model_module
+from specfast.model import model as model_module
 
 FUSED = model_module.attention
 

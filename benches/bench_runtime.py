@@ -36,7 +36,7 @@ import time
 import torch
 
 from specfast.hardware import cpu_flags_label
-from specfast.targets.torch.model import Model, ModelConfig, resolve_dtype
+from specfast.model.model import Model, ModelConfig, resolve_dtype
 
 NS = (1, 2, 4, 8, 16, 32)
 CONTEXT = 500
@@ -90,7 +90,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int =
 def weight_bytes(model) -> int:
     """What a decode step reads: every matrix once (prepacked copies are the same size; int8
     ones are their bytes and scales)."""
-    if model.int8:
+    if model.quantized:
         packed = model.packed_weights()
         return sum(m.nbytes for layer in packed[:-1] for m in layer) + packed[-1].nbytes
     return sum(p.numel() * p.element_size() for p in model.parameters())

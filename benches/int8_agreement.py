@@ -59,7 +59,7 @@ def agreement(path, tokens: int) -> dict:
         want = f32.decoder(len(ids)).forward(ids).argmax(-1)
         row = {"positions": len(ids)}
         for name, (m, cache_dtype) in others.items():
-            if m.int8:
+            if m.quantized:
                 m.kv_dtype = cache_dtype  # None: the default, float16
             got = m.decoder(len(ids)).forward(ids).argmax(-1)
             row[name] = (got == want).float().mean().item()

@@ -32,9 +32,9 @@ import specfast
 from specfast.bench.llama import llama_cpp_engine, load_llamas
 from specfast.bench.workloads import build_workloads
 from specfast.hardware import cpu_flags_label
+from specfast.model.model import Model
 from specfast.targets.base import default_model_path
 from specfast.targets.llama_cpp import LlamaDecoder
-from specfast.targets.torch.model import Model
 
 PASS_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17)
 ORACLE_KS = (2, 4, 8, 12, 16)

@@ -34,7 +34,7 @@ def main() -> None:
     import torch
 
     import specfast
-    from specfast.targets.torch.int8 import torch_threads
+    from specfast.model.quantize import torch_threads
 
     path = Path(a.file)
     size = path.stat().st_size / 1e9

@@ -154,7 +154,7 @@ def test_gemma3_quantized_weights(tmp_path, weights, dtype):
     hf_model, model = load("gemma3", tmp_path, "hf")
     ref = reference(hf_model, GEMMA_IDS)
     model.to(getattr(torch, dtype)).quantize_int8(weights)
-    assert model.int8 and model.in_core == (dtype == "float32")
+    assert model.quantized and model.in_core == (dtype == "float32")
 
     def error():
         model.unpack()  # the core's stack again, from the config as it is now

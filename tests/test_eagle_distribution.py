@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_generate_distribution import chi2_pvalue
 
-from specfast.targets.torch.model import Model, ModelConfig
+from specfast.model.model import Model, ModelConfig
 
 V2 = 4
 PROMPT2 = [1, 2, 3, 0, 2]
@@ -198,7 +198,7 @@ def test_negative_control_head_cache_not_rolled_back(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
     import specfast.drafters.eagle
-    from specfast.targets.torch.kv_cache import KVCache
+    from specfast.model.kv_cache import KVCache
 
     class NoRollback(KVCache):
         def rollback(self, length):

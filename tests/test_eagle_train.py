@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from specfast.bench import workloads
 from specfast.eagle import data as ed
 from specfast.eagle import train as et
+from specfast.model.model import Model, ModelConfig
 from specfast.targets.base import default_aux_layers
-from specfast.targets.torch.model import Model, ModelConfig
 
 
 def tiny_target(seed: int = 0, layers: int = 8) -> Model:

@@ -32,9 +32,9 @@ except ImportError:
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specfast
-from specfast.targets.torch import attention as attention_module
-from specfast.targets.torch.kv_cache import KVCache, static_cache
-from specfast.targets.torch.model import Model, ModelConfig
+from specfast.model import attention as attention_module
+from specfast.model.kv_cache import KVCache, static_cache
+from specfast.model.model import Model, ModelConfig
 
 CONFIG = ModelConfig(vocab_size=300, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_context=512)
 DRAFT = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_context=512)
@@ -199,6 +199,9 @@ class FakeCuda:
         self._patch(FakeTensor, "tolist", tolist)
         for cls, name in ((Model, "forward"), (Model, "forward_static"), (EagleHead, "forward")):
             self._patch(cls, name, self._step(cls.__dict__[name]))
+        # A decoder's passes run what Model.pass_for chose when it was made: each is a step.
+        pass_for = Model.__dict__["pass_for"]
+        self._patch(Model, "pass_for", lambda model, cache: self._step(pass_for(model, cache)))
         # SDPA's causal bias is a host tensor subclass FakeTensorMode cannot run; the same mask
         # written on the device stands in (test_model checks they are one mask).
         self._patch(attention_module, "causal_lower_right", written_lower_right)
@@ -318,24 +321,34 @@ def test_the_whole_model_is_on_cuda():
 
 
 def test_control_a_tensor_made_without_a_device_inside_a_step_is_caught(monkeypatch):
-    real = Model.forward
+    real = Model.pass_for
 
-    def planted(self, ids, *args, **kwargs):
-        _ = torch.zeros(ids.shape[0])  # the bug: no device=, so a CPU tensor
-        return real(self, ids, *args, **kwargs)
+    def planted(self, cache):
+        run = real(self, cache)
 
-    monkeypatch.setattr(Model, "forward", planted)
+        def cpu_tensor(ids, *args):
+            _ = torch.zeros(ids.shape[0])  # the bug: no device=, so a CPU tensor
+            return run(ids, *args)
+
+        return cpu_tensor
+
+    monkeypatch.setattr(Model, "pass_for", planted)
     with pytest.raises(AssertionError, match="made on the CPU inside a step"), FakeCuda():
         run(cuda_model(), drafter=None)
 
 
 def test_control_mixing_a_cpu_tensor_into_a_cuda_op_is_caught(monkeypatch):
-    real = Model.forward
+    real = Model.pass_for
 
-    def planted(self, ids, *args, **kwargs):
-        return real(self, ids, *args, **kwargs) + torch.ones(self.vocab_size, device="cpu")
+    def planted(self, cache):
+        run = real(self, cache)
 
-    monkeypatch.setattr(Model, "forward", planted)
+        def mixed(ids, *args):
+            return run(ids, *args) + torch.ones(self.vocab_size, device="cpu")
+
+        return mixed
+
+    monkeypatch.setattr(Model, "pass_for", planted)
     with pytest.raises((FakeTensorDeviceMismatchError, AssertionError)), FakeCuda():
         run(cuda_model(), drafter=None)
 

@@ -13,7 +13,7 @@ from conftest import CPU_KERNELS
 import specfast
 from specfast import Model, ModelConfig
 from specfast._core import FloatMatrix
-from specfast.targets.torch.int8 import dequantize
+from specfast.model.quantize import dequantize
 
 
 def check_product(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:

@@ -16,7 +16,8 @@ import specfast
 from specfast import Model, ModelConfig
 from specfast._core import GgufMatrix, Int8Matrix, Q4Matrix, gguf_block_types
 from specfast.formats.gguf import auto_candidates
-from specfast.targets.torch.int8 import dequantize
+from specfast.model.quantize import dequantize
+from specfast.targets import as_target
 
 TYPES = gguf_block_types()  # what GgufMatrix holds
 # Where each type's f16 scales (d, and dmin or m) sit in its block. The other bytes (values,
@@ -310,7 +311,7 @@ def test_a_mixed_file_loads_in_its_own_blocks(mixed):
     values; the head too, in its Q6_K or Q8_0 blocks."""
     arch, _, blocks, plain, model = mixed
     plain.unpack()  # its plain matrices, whatever ran on it before
-    assert model.weights == "file" and model.describe()["weights"] == "file"
+    assert model.weights == "file" and as_target(model).describe()["weights"] == "file"
     assert model.file_types == {v for k, v in FILES[arch].items() if k.startswith(("attn", "ffn"))}
     packed = model.packed_weights()
     for layer, matrices in zip(plain.layers, packed[:-1], strict=True):
@@ -377,7 +378,7 @@ def test_auto_picks_among_float_file_and_int8_and_never_q4(mixed, tmp_path, monk
     """weights="auto" on a quantized file times its own blocks, and int8 only where every
     layer matrix has under 8 bits a weight (the llama file's, not the qwen2 one with Q8_0);
     q4 never, as these files hold other types than Q4_0 and Q4_1."""
-    import specfast.targets.torch.int8 as int8_module
+    import specfast.model.quantize as int8_module
 
     arch, path, *_ = mixed
     monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path))
@@ -398,7 +399,7 @@ def test_auto_loads_only_its_cached_choice(mixed, tmp_path, monkeypatch):
     model first (a 1.5B's float32 copy takes most of a minute). The control: a cache entry for
     other candidates (another CPU or kernel version) is not taken."""
     import specfast.formats as formats
-    import specfast.targets.torch.int8 as int8_module
+    import specfast.model.quantize as int8_module
 
     _, path, *_ = mixed
     monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path))

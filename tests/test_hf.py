@@ -88,6 +88,6 @@ def test_hf_decoder_bad_input():
 
 
 def test_make_decoder_dispatch(tiny_model):
-    assert isinstance(make_decoder(tiny_model, 8), specfast.Decoder)
+    assert isinstance(make_decoder(tiny_model, 8), specfast.ModelDecoder)
     with pytest.raises(TypeError, match="specfast Model"):
         make_decoder(object(), 8)

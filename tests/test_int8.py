@@ -12,9 +12,9 @@ from conftest import CPU_KERNELS
 import specfast
 from specfast import Model, ModelConfig
 from specfast._core import FloatMatrix, Int8Matrix, Q4Matrix, row_attention
+from specfast.model.core import core_stack
+from specfast.model.quantize import core_linear, dequantize
 from specfast.targets.base import argmax_rows
-from specfast.targets.torch.core import core_stack
-from specfast.targets.torch.int8 import core_linear, dequantize
 
 GROUP = 32  # input features per activation scale
 
@@ -252,7 +252,7 @@ def test_per_tensor_activation_scales_break_speculative_exactness(monkeypatch):
     passes, and the speculative output drifts from plain greedy. In float32 the whole pass runs
     in the core; in bfloat16 torch runs it, each product through `core_linear`, which the fault
     replaces."""
-    import specfast.targets.torch.model as model_module
+    import specfast.model.model as model_module
 
     def verify_equals_rows(model) -> bool:
         d = model.decoder(128)

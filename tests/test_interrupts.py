@@ -17,8 +17,8 @@ import torch
 import specfast
 from specfast import NgramDrafter
 from specfast.drafters.model import DraftModelDrafter
-from specfast.targets.torch.core import CoreGreedy
-from specfast.targets.torch.model import Decoder, Model, ModelConfig
+from specfast.model import Model, ModelConfig, ModelDecoder
+from specfast.model.core import CoreGreedy
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
 NEW = 32
@@ -122,8 +122,8 @@ def _patch_point(monkeypatch, point, n):
     """Makes `point` raise at its n-th call; returns the call counter."""
     if point == "verify":
         # A pass goes through forward, or (a greedy pass that runs in the core) CoreGreedy.
-        wrapper, calls = _raise_on_call(n, Decoder.forward)
-        monkeypatch.setattr(Decoder, "forward", wrapper)
+        wrapper, calls = _raise_on_call(n, ModelDecoder.forward)
+        monkeypatch.setattr(ModelDecoder, "forward", wrapper)
         core, _ = _raise_on_call(n, CoreGreedy.greedy, calls)
         monkeypatch.setattr(CoreGreedy, "greedy", core)
         return calls
@@ -294,10 +294,10 @@ def test_negative_control_state_reset_only_on_success(models, monkeypatch):
     real = generate_module.make_decoder
     kept = {}
 
-    def kept_decoder(m, max_length):
-        if id(m) not in kept:
-            kept[id(m)] = real(m, 256)
-        return kept[id(m)]
+    def kept_decoder(target, max_length):  # one per model (target.source), across calls
+        if id(target.source) not in kept:
+            kept[id(target.source)] = real(target, 256)
+        return kept[id(target.source)]
 
     def generate_resetting_on_success(*args, **kw):
         out = specfast.generate(*args, **kw)

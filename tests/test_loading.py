@@ -285,7 +285,7 @@ def float_matrices_alive(monkeypatch, load) -> int:
     import gc
 
     import specfast.formats.common as common
-    import specfast.targets.torch.model as model_module
+    import specfast.model.model as model_module
 
     def matrices():
         return [

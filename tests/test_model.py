@@ -13,9 +13,9 @@ from torch.nn.attention.bias import causal_upper_left
 
 from specfast import Model, ModelConfig
 from specfast._core import Int8Matrix, advise_huge_pages
+from specfast.model import attention as attention_module
+from specfast.model.kv_cache import KVCache
 from specfast.targets.base import argmax_rows
-from specfast.targets.torch import attention as attention_module
-from specfast.targets.torch.kv_cache import KVCache
 
 
 def full_logits(model, ids):

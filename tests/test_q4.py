@@ -12,7 +12,7 @@ from conftest import CPU_KERNELS, make_hf_model, write_tiny_gguf
 import specfast
 from specfast import Model, ModelConfig
 from specfast._core import Q4Matrix
-from specfast.targets.torch.int8 import core_linear, dequantize
+from specfast.model.quantize import core_linear, dequantize
 
 GROUP = 32  # input features per weight scale and per activation scale
 
@@ -200,7 +200,7 @@ def test_a_quantized_load_keeps_the_embedding_in_its_blocks(tmp_path, table):
     and device after .to(); an F32 one stays a float table."""
     from gguf import GGMLQuantizationType
 
-    from specfast.targets.torch.embedding import FileEmbedding
+    from specfast.model.embedding import FileEmbedding
 
     hf = make_hf_model("llama-tied-gqa")
     path = write_tiny_gguf(hf, tmp_path / "m.gguf", GGMLQuantizationType[table])
@@ -288,7 +288,7 @@ def test_q4_smollm_speculation_equals_its_own_plain_greedy(smollm_gguf):
 
 
 def test_auto_times_the_kinds_it_is_given(tmp_path, monkeypatch):
-    import specfast.targets.torch.int8 as int8_module
+    import specfast.model.quantize as int8_module
 
     monkeypatch.setenv("SPECFAST_CACHE", str(tmp_path))
     monkeypatch.setattr(int8_module, "AUTO_MIN_WEIGHTS", 0)
@@ -310,7 +310,7 @@ def test_auto_times_the_kinds_it_is_given(tmp_path, monkeypatch):
 def test_dtype_auto_on_amx_keeps_the_faster_of_bf16_and_float32(tmp_path, monkeypatch):
     from conftest import tiny_llama_gguf
 
-    import specfast.targets.torch.int8 as int8_module
+    import specfast.model.quantize as int8_module
     from specfast import hardware
 
     monkeypatch.setattr(int8_module, "AUTO_MIN_WEIGHTS", 0)

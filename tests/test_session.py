@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import specfast
+from specfast.model import Model, ModelConfig, ModelDecoder
 from specfast.session import Session
-from specfast.targets.torch.model import Decoder, Model, ModelConfig
 
 CONFIG = ModelConfig(
     vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_context=512
@@ -252,11 +252,13 @@ def shared_state(a, b) -> list[str]:
     import torch
 
     from specfast.eagle.head import EagleHead, FastLinears
-    from specfast.targets.torch.model import OutputRows
+    from specfast.model.model import OutputRows
+    from specfast.targets.torch import ModelTarget
 
-    # Weights (OutputRows: a model's projection rows, cached per model) and immutables.
-    skip = (Model, OutputRows, EagleHead, FastLinears, torch.nn.Module, torch.Tensor, torch.device,
-            tuple)  # fmt: skip
+    # Weights (OutputRows: a model's projection rows, cached per model; a model's target
+    # adapter) and immutables.
+    skip = (Model, ModelTarget, OutputRows, EagleHead, FastLinears, torch.nn.Module, torch.Tensor,
+            torch.device, tuple)  # fmt: skip
     seen_a: dict[int, str] = {}
 
     def walk(obj, path, out, depth=0):
@@ -394,14 +396,14 @@ def test_fork_refuses_a_drafter_it_cannot_copy():
 def prefill_sizes(monkeypatch, drop_cache: bool) -> list[tuple[int, int]]:
     """(tokens the target ran before each turn's first new token, the turn's new tokens)."""
     sizes: list[int] = []
-    real_forward = Decoder.forward
+    real_forward = ModelDecoder.forward
 
     def forward(self, ids, last_only=False, head=None):
         if last_only:  # the target's prefill is the only last_only pass of a turn
             sizes.append(ids.shape[0])
         return real_forward(self, ids, last_only, head=head)
 
-    monkeypatch.setattr(Decoder, "forward", forward)
+    monkeypatch.setattr(ModelDecoder, "forward", forward)
     if drop_cache:  # the bug: a session that re-prefills the whole history every turn
         monkeypatch.setattr(Session, "_reusable", lambda self, ids, keep: 0)
     model = tiny()

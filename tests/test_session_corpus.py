@@ -8,8 +8,8 @@ from test_cli import tiny_model_dir  # noqa: F401  (the fixture: a tiny HF folde
 from test_session import context_of, messages, plain, tiny
 
 import specfast
+from specfast.model.model import Model, ModelConfig
 from specfast.session import Session
-from specfast.targets.torch.model import Model, ModelConfig
 
 
 def test_a_saved_corpus_is_loaded_and_drafts_more_with_the_same_output(tmp_path):

@@ -1,4 +1,4 @@
-"""Static-shape compiled steps (targets/torch/static.py, Model.forward_static) and dtype="auto".
+"""Static-shape compiled steps (model/static.py, Model.forward_static) and dtype="auto".
 
 The claims: a step never synchronises with the host; every bucket compiles to one graph with no
 break, and no acceptance count causes a recompile; compiled output is token for token what
@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import specfast
 from specfast import hardware
 from specfast.autok import measured_pass_costs
-from specfast.targets.torch import static as steps
-from specfast.targets.torch.model import Model, ModelConfig, resolve_dtype
+from specfast.model import static as steps
+from specfast.model.model import Model, ModelConfig, resolve_dtype
 
 CONFIG = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_context=512)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]
@@ -345,7 +345,7 @@ def test_load_model_auto_sets_model_dtype(monkeypatch, tmp_path):
 
 def test_cli_choices_match_the_runtime():
     from specfast import cli
-    from specfast.targets.torch.config import DTYPE_CHOICES
+    from specfast.model.config import DTYPE_CHOICES
 
     assert cli.common.DTYPE_CHOICES == DTYPE_CHOICES
     assert cli.common.COMPILE_CHOICES == steps.COMPILE_CHOICES

@@ -13,11 +13,11 @@ import pytest
 import torch
 from test_fake_cuda import DRAFT, FakeCuda, cuda_head, cuda_model, run
 
+from specfast.model.model import Model
 from specfast.targets import base
-from specfast.targets.torch.model import Model
 
 generate_module = importlib.import_module("specfast.generate")
-decoder_module = importlib.import_module("specfast.targets.torch.decoder")
+decoder_module = importlib.import_module("specfast.model.decoder")
 
 
 def blocking(values, device, dtype=torch.long):
@@ -73,13 +73,18 @@ def test_control_a_blocking_upload_is_counted(monkeypatch):
 
 
 def test_control_an_item_inside_a_step_is_counted(monkeypatch):
-    real = Model.forward
+    real = Model.pass_for
 
-    def planted(self, ids, cache, pos, *args, **kwargs):
-        _ = ids.max().item()  # the bug: a value read back inside the pass
-        return real(self, ids, cache, pos, *args, **kwargs)
+    def planted(self, cache):
+        run = real(self, cache)
 
-    monkeypatch.setattr(Model, "forward", planted)
+        def read_back(ids, *args):
+            _ = ids.max().item()  # the bug: a value read back inside the pass
+            return run(ids, *args)
+
+        return read_back
+
+    monkeypatch.setattr(Model, "pass_for", planted)
     fc = rounds("ngram", temperature=0.8, seed=1)
     assert all(v == ["read", "tolist"] for v in fc.verify_syncs), fc.verify_syncs
 

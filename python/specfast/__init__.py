@@ -5,20 +5,17 @@ from specfast.drafters.combined import CombinedDrafter
 from specfast.eagle.head import EagleConfig, EagleHead, load_eagle, save_eagle
 from specfast.formats import load_model
 from specfast.generate import generate
+from specfast.model import Model, ModelConfig, ModelDecoder
 from specfast.sampling import accept_greedy, accept_sampled, accept_sampled_torch, logits_to_probs
 from specfast.session import Session, Turn
 from specfast.stats import GenerateOutput, GenerationStats
-from specfast.targets import make_decoder
+from specfast.targets import HFDecoder, LlamaDecoder, make_decoder
 from specfast.targets.base import default_model_path
-from specfast.targets.hf import HFDecoder
-from specfast.targets.llama_cpp import LlamaDecoder
-from specfast.targets.torch.model import Decoder, Model, ModelConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CombinedDrafter",
-    "Decoder",
     "EagleConfig",
     "EagleHead",
     "GenerateOutput",
@@ -27,6 +24,7 @@ __all__ = [
     "LlamaDecoder",
     "Model",
     "ModelConfig",
+    "ModelDecoder",
     "NgramDrafter",
     "Session",
     "Turn",

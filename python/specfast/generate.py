@@ -21,6 +21,7 @@ from specfast.constraints import Constraint
 from specfast.drafters import make_drafter
 from specfast.drafters.base import DraftSetup, Verified, feature_layers
 from specfast.drafters.model import common_tokens
+from specfast.hardware import torch_threads
 from specfast.sampling import accept_sampled_torch, logits_to_probs, position_uniforms, sample_rows
 from specfast.settings import (
     MAX_SPECULATIVE_TOKENS,
@@ -33,7 +34,6 @@ from specfast.stats import GenerateOutput, GenerationStats
 from specfast.streaming import Emitter, decode
 from specfast.targets import as_target, make_decoder
 from specfast.targets.base import Decoder, to_device
-from specfast.targets.torch.int8 import torch_threads
 
 
 def generate(

@@ -1,15 +1,18 @@
 """What the hardware is good at: the dtype "auto" picks, and the CPU flags every figure names.
 
+Also `torch_threads`, torch's thread count for a block.
+
 On a CPU without native bf16 (AVX2 only), torch emulates bf16 arithmetic, several times slower
 than float32. And a float32 model's passes run in the core at the memory's rate (kernels' float.rs),
 exact to themselves, which beat torch's bf16 (oneDNN) on AVX512-BF16 CPUs though it reads half
 the bytes (docs/benchmarks.md §14). So "auto" starts from bf16 on a CPU only with AMX, whose
 bf16 tiles oneDNN runs, and load_model then times it against float32 for the model at hand
-(targets/torch/int8.py: auto_float_dtype).
+(model/quantize.py: auto_float_dtype).
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 from pathlib import Path
 
@@ -71,3 +74,17 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to n inside the block."""
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -58,8 +58,8 @@ from specfast.bench.report import (
     write_json,
 )
 from specfast.bench.workloads import build_workloads, read_prompts
-from specfast.targets.llama_cpp import LlamaTokenizer, llama_eos_ids
-from specfast.targets.torch.model import resolve_dtype
+from specfast.model.model import resolve_dtype
+from specfast.targets import LlamaTokenizer, as_target, llama_eos_ids
 
 ENGINES = (
     "specfast-plain",
@@ -279,7 +279,7 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
         runs = run_interleaved(prompts, engines, args.repeats, sync=sync, on_run=on_run)
     summary = summarize(runs)
 
-    runtime = sf_model.describe() if sf_model is not None else {}
+    runtime = as_target(sf_model).describe() if sf_model is not None else {}
     meta = machine_info(args.device) | {
         "command": " ".join(["specfast", *argv]),
         "model": str(model_path),

@@ -21,7 +21,7 @@ from typing import Any
 
 import specfast
 from specfast.bench.engines import EngineOutput, specfast_engine
-from specfast.targets.llama_cpp import LayerInputs, check_llama_build, llama_threads, tile_restorer
+from specfast.targets import LayerInputs, check_llama_build, llama_threads, tile_restorer
 
 LLAMA_ENGINES = (
     "llama.cpp-plain",

@@ -13,10 +13,10 @@ import torch
 
 import specfast
 from specfast.hardware import cpu_flags_label
+from specfast.model.config import DTYPE_CHOICES
+from specfast.model.quantize import WEIGHTS_CHOICES, int8_kernel
+from specfast.model.static import COMPILE_CHOICES
 from specfast.targets import as_target
-from specfast.targets.torch.config import DTYPE_CHOICES
-from specfast.targets.torch.int8 import WEIGHTS_CHOICES, int8_kernel
-from specfast.targets.torch.static import COMPILE_CHOICES
 
 
 def positive_int(s: str) -> int:

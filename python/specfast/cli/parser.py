@@ -19,7 +19,7 @@ from specfast.cli.common import (
 )
 from specfast.cli.serve import add_serve
 from specfast.cli.train_eagle import add_train_eagle
-from specfast.targets.torch.int8 import WEIGHTS_CHOICES
+from specfast.model.quantize import WEIGHTS_CHOICES
 
 # ---------------------------------------------------------------------------- argument types
 

@@ -21,8 +21,8 @@ from specfast.eagle.head import (
     load_eagle,
     target_embedding,
 )
+from specfast.model.kv_cache import KVCache
 from specfast.targets.base import Target, to_device
-from specfast.targets.torch.kv_cache import KVCache
 
 # The most rows one catch-up feeds the head. Rows the head has not read pile up while it does
 # not draft (the prompt, rounds the n-gram or plain decoding took); past this many, it starts

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specfast.model.model import Model
 from specfast.targets.base import default_aux_layers
-from specfast.targets.torch.model import Model
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

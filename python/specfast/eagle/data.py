@@ -43,7 +43,7 @@ from specfast.bench import workloads
 from specfast.chat import render_chat
 from specfast.eagle.prompts import CODE_MODULES, CODE_TASKS, QUESTIONS, QUOTE_TASKS
 from specfast.generate import generate
-from specfast.targets.torch.model import linear
+from specfast.model.model import linear
 
 # ---------------------------------------------------------------------------- the split
 

@@ -33,16 +33,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from specfast.eagle.config import EagleConfig
-from specfast.formats.gguf import llama_embedding
-from specfast.targets import as_target
-from specfast.targets.base import EagleFacts, default_aux_layers
-from specfast.targets.torch.int8 import core_linear, quantize
-from specfast.targets.torch.model import (
+from specfast.model.model import (
     HAS_MKLDNN_LINEAR,
     linear,
     resolve_dtype,
     rope_inv_freq,
 )
+from specfast.model.quantize import core_linear, quantize
+from specfast.targets import as_target
+from specfast.targets.base import EagleFacts, default_aux_layers
 
 WEIGHTS = "model.safetensors"
 PICKLES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth", "pytorch_model.pt")
@@ -498,17 +497,11 @@ def eagle_target(target) -> EagleFacts:
     """What an EAGLE head needs of `target` (anything as_target takes): a specfast Model, or a
     llama_cpp.Llama whose llama.cpp returns per-layer inputs; the error says why any other
     cannot feed one."""
-    facts = as_target(target).eagle_facts()
-    if facts.embedding is None:
-        source = facts.embedding_from
-        facts.embedding = lambda dtype: llama_embedding(source, dtype)
-    return facts
+    return as_target(target).eagle_facts()
 
 
 def target_embedding(facts: EagleFacts, dtype: torch.dtype) -> torch.Tensor:
     """The target's token embedding (V, D) in `dtype`, from facts eagle_target made."""
-    if facts.embedding is None:
-        raise ValueError("the target gives no token embedding for the EAGLE head")
     return facts.embedding(dtype)
 
 

@@ -13,17 +13,17 @@ import torch
 
 from specfast.formats.gguf import auto_candidates, gguf_summary, load_gguf
 from specfast.formats.hf_folder import load_hf_folder
-from specfast.targets.base import default_model_path
-from specfast.targets.llama_cpp import load_llama
-from specfast.targets.torch.int8 import (
+from specfast.model.model import Model, resolve_device, resolve_dtype, trim_heap
+from specfast.model.quantize import (
     QUANTIZED,
     auto_float_dtype,
     auto_weights,
     cached_weights,
     check_weights,
 )
-from specfast.targets.torch.model import Model, resolve_device, resolve_dtype, trim_heap
-from specfast.targets.torch.static import resolve_compile, warmup
+from specfast.model.static import resolve_compile, warmup
+from specfast.targets import load_llama
+from specfast.targets.base import default_model_path
 
 
 def load_model(
@@ -97,7 +97,7 @@ def load_model(
     if try_int8:
         kinds = auto_candidates(model.file_types)
         model, _ = auto_weights(model, lambda kind: _load(path, device, None, kind), kinds)
-        if model.int8:
+        if model.quantized:
             return model
     if compiled:
         model.compile_steps(max_length=max_length)

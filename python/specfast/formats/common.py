@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specfast.targets.torch.int8 import quantize
-from specfast.targets.torch.model import Model, ModelConfig
+from specfast.model.model import Model, ModelConfig
+from specfast.model.quantize import quantize
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 

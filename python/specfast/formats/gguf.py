@@ -18,10 +18,9 @@ from specfast.formats.common import (
     int_list,
 )
 from specfast.formats.gguf_tokenizer import gguf_field, tokenizer_from_gguf
-from specfast.targets.llama_cpp.state import llama_state
-from specfast.targets.torch.embedding import FileEmbedding
-from specfast.targets.torch.int8 import CoreMatrix, q8_0_blocks, quantize
-from specfast.targets.torch.model import Model, ModelConfig
+from specfast.model.embedding import FileEmbedding
+from specfast.model.model import Model, ModelConfig
+from specfast.model.quantize import CoreMatrix, q8_0_blocks, quantize
 
 # ggml's float types: a GGUF whose layer matrices are all of these is not quantized.
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
@@ -378,14 +377,3 @@ def gemma3_options(meta, dim: int, n_heads: int, n_layers: int) -> dict:
         tuple(i for i in range(n_layers) if (i + 1) % 6),
         10000.0,
     )
-
-
-def llama_embedding(llama, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The Llama's token embedding (V, D) dequantized from its GGUF file, in `dtype`: what an
-    EAGLE head without its own embed_tokens embeds its tokens with. Cached per Llama and
-    dtype for the Llama's lifetime (SmolLM2's: 113 MB in float32); dequantizing takes a float32 copy
-    of the whole matrix, a few GB for a 150k-token vocabulary at 4096 wide."""
-    cache = llama_state(llama).setdefault("embedding", {})
-    if dtype not in cache:
-        cache[dtype] = gguf_tensor(llama.model_path, "token_embd.weight").to(dtype)
-    return cache[dtype]

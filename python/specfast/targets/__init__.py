@@ -4,7 +4,7 @@
 (generate, Session, a draft model, an EAGLE head's target, the server) calls it once; past it
 the code sees a Target and its Decoders, never a class.
 
-- a specfast Model (targets/torch/) is its own Target;
+- a specfast Model (specfast.model) becomes a `ModelTarget` (torch/);
 - a transformers causal LM becomes an `HFTarget` (hf.py);
 - a llama_cpp.Llama becomes a `LlamaTarget` (llama_cpp/);
 - any other object with the target surface (TARGET_SURFACE) becomes an `ObjectTarget`, which
@@ -17,18 +17,41 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specfast.model import Model
 from specfast.targets.base import Decoder, EagleFacts, Target
-from specfast.targets.hf import HFTarget, hf_eos_ids, is_hf_model
-from specfast.targets.llama_cpp.decoder import is_llama
+from specfast.targets.hf import HFDecoder, HFTarget, hf_eos_ids, is_hf_model
+from specfast.targets.llama_cpp import (
+    LayerInputs,
+    LlamaDecoder,
+    LlamaTokenizer,
+    check_llama_build,
+    is_llama,
+    llama_eos_ids,
+    llama_threads,
+    load_llama,
+    tile_restorer,
+)
 from specfast.targets.llama_cpp.target import LlamaTarget
-from specfast.targets.torch.model import Model
+from specfast.targets.torch import ModelTarget
 
+# Outside targets/, code imports a kind's names from here, never from its folder
+# (tests/test_layers.py): the llama.cpp names serve the GGUF loader and the llama.cpp benchmark.
 __all__ = [
     "Decoder",
+    "HFDecoder",
+    "LayerInputs",
+    "LlamaDecoder",
+    "LlamaTokenizer",
+    "ModelTarget",
     "Target",
     "as_target",
+    "check_llama_build",
     "is_target",
+    "llama_eos_ids",
+    "llama_threads",
+    "load_llama",
     "make_decoder",
+    "tile_restorer",
     "tokenizer_vocab",
     "try_target",
 ]
@@ -36,13 +59,15 @@ __all__ = [
 # What an object needs to be a target as it stands: its decoder(max_length) gives length,
 # forward, forward_greedy, greedy_ids and rollback (docs/architecture.md §3).
 TARGET_SURFACE = ("vocab_size", "max_context", "device", "decoder")
-_WRAPPED = (Model, HFTarget, LlamaTarget)
+_WRAPPED = (ModelTarget, HFTarget, LlamaTarget)
 
 
 def try_target(obj: Any) -> Target | None:
     """`obj` as a Target (the same object when it is one already), or None for a non-model."""
     if isinstance(obj, (*_WRAPPED, ObjectTarget)):
         return obj
+    if isinstance(obj, Model):
+        return ModelTarget(obj)
     if isinstance(obj, type):
         return None
     if is_hf_model(obj):
@@ -160,14 +185,12 @@ class ObjectDecoder:
 
 
 if TYPE_CHECKING:  # mypy checks that each runtime meets both protocols (scripts/test.sh)
-    from specfast.targets.hf import HFDecoder
-    from specfast.targets.llama_cpp.decoder import LlamaDecoder
-    from specfast.targets.torch.decoder import Decoder as TorchDecoder
+    from specfast.model import ModelDecoder
 
-    def _targets(a: Model, b: HFTarget, c: LlamaTarget, d: ObjectTarget) -> list[Target]:
+    def _targets(a: ModelTarget, b: HFTarget, c: LlamaTarget, d: ObjectTarget) -> list[Target]:
         return [a, b, c, d]
 
     def _decoders(
-        a: TorchDecoder, b: HFDecoder, c: LlamaDecoder, d: ObjectDecoder
+        a: ModelDecoder, b: HFDecoder, c: LlamaDecoder, d: ObjectDecoder
     ) -> list[Decoder]:
         return [a, b, c, d]

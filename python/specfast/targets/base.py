@@ -77,10 +77,7 @@ class EagleFacts:
     n_layers: int
     dtype: torch.dtype
     device: torch.device
-    # (V, D) in that dtype; None where it is read from a GGUF file: then `embedding_from` is
-    # the llama_cpp.Llama whose file holds it (formats.gguf.llama_embedding reads it)
-    embedding: Callable[[torch.dtype], torch.Tensor] | None
-    embedding_from: Any = None
+    embedding: Callable[[torch.dtype], torch.Tensor]  # (V, D) in that dtype
 
 
 @runtime_checkable

@@ -81,7 +81,7 @@ class LlamaDecoder:
     """One sequence (seq 0) over a Llama's context.
 
     forward(ids (T,)) -> float32 logits (T, V), or (1, V) with last_only, appending T tokens,
-    exactly as `specfast.targets.torch.model.Decoder`; forward_greedy -> argmax ids. With
+    exactly as `specfast.model.model.Decoder`; forward_greedy -> argmax ids. With
     `features`, both also return the inputs of those layers (LayerInputs). rollback(n) removes
     the cache entries past n.
     """
@@ -159,7 +159,7 @@ class LlamaDecoder:
         """ids (T,) -> float32 logits (T, V), or (1, V) with last_only. `features` (target
         layer ids, or True for default_aux_layers) -> (logits, features (T, n*D) float32): the
         residual stream entering those layers at every row, as
-        `specfast.targets.torch.model.Decoder` returns it, for an EAGLE head (see LayerInputs)."""
+        `specfast.model.model.Decoder` returns it, for an EAGLE head (see LayerInputs)."""
         check_id_tensor(ids, _CPU)
         return self._run(ids.tolist(), last_only, greedy=False, features=features)
 

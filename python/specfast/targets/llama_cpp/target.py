@@ -7,6 +7,7 @@ import torch
 from specfast.targets.base import EagleFacts
 from specfast.targets.llama_cpp.decoder import LlamaDecoder, llama_facts
 from specfast.targets.llama_cpp.features import check_layer_inputs
+from specfast.targets.llama_cpp.state import llama_state
 from specfast.targets.llama_cpp.tokenizer import LlamaTokenizer, llama_eos_ids
 
 
@@ -48,9 +49,22 @@ class LlamaTarget:
             int(llama_cpp.llama_model_n_layer(llama.model)),
             auto_dtype(torch.device("cpu")),
             torch.device("cpu"),
-            None,
-            embedding_from=llama,  # llama.cpp gives no embedding matrix: its GGUF has it
+            # llama.cpp gives no embedding matrix: its GGUF has it
+            lambda dtype: llama_embedding(llama, dtype),
         )
 
     def describe(self) -> dict[str, str]:
         return {"runtime": "llama.cpp", "weights": "the file's", "step": "llama_decode"}
+
+
+def llama_embedding(llama, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The Llama's token embedding (V, D) dequantized from its GGUF file, in `dtype`: what an
+    EAGLE head without its own embed_tokens embeds its tokens with. Cached per Llama and
+    dtype for the Llama's lifetime (SmolLM2's: 113 MB in float32); dequantizing takes a float32 copy
+    of the whole matrix, a few GB for a 150k-token vocabulary at 4096 wide."""
+    from specfast.formats.gguf import gguf_tensor  # (formats imports this package first)
+
+    cache = llama_state(llama).setdefault("embedding", {})
+    if dtype not in cache:
+        cache[dtype] = gguf_tensor(llama.model_path, "token_embd.weight").to(dtype)
+    return cache[dtype]

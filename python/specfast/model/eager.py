@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specfast.targets.torch.attention import (
+from specfast.model.attention import (
     attend_rows,
     attention,
     eager_attention_backends,
@@ -15,8 +15,8 @@ from specfast.targets.torch.attention import (
     verify_mask,
     window_mask,
 )
-from specfast.targets.torch.int8 import INT8_SERIAL_ROWS
-from specfast.targets.torch.kv_cache import KVCache
+from specfast.model.kv_cache import KVCache
+from specfast.model.quantize import INT8_SERIAL_ROWS
 
 
 def forward_eager(model, ids, cache: KVCache, pos: int, last_only, head, aux_layers):
@@ -34,7 +34,7 @@ def forward_eager(model, ids, cache: KVCache, pos: int, last_only, head, aux_lay
     causal = False
     # int8 rounds every activation, so a last-bit difference between a verify pass's row and a
     # one-token pass grows into a different token: those passes attend row by row.
-    if model.int8 and T <= INT8_SERIAL_ROWS:
+    if model.quantized and T <= INT8_SERIAL_ROWS:
         groups = row_groups(pos, T, cache.k.shape[2], ids.device)
     elif T > 1 and pos == 0:
         causal = True  # keys [0, T): query i sees [0, i]

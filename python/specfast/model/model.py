@@ -4,7 +4,7 @@ layers) for batch-1 decoding.
 One sequence, no batch dimension: activations are (T, D). This file holds the weights (and their
 packing for the CPU kernels) and the layers' math; a pass runs through decoder.py, by one of
 eager.py, core.py or static.py, with attention in attention.py. The KV cache lives in a
-`Decoder`, so one set of weights can serve several independent sequences (the target can be its
+`ModelDecoder`, so one set of weights can serve several independent sequences (the target can be its
 own draft).
 """
 
@@ -21,13 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfast.targets.base import EagleFacts
-from specfast.targets.torch.config import ModelConfig, resolve_device, resolve_dtype, rope_inv_freq
-from specfast.targets.torch.core import CORE_CACHE_DTYPES, forward_in_core, runs_in_core
-from specfast.targets.torch.decoder import Decoder
-from specfast.targets.torch.eager import forward_eager
-from specfast.targets.torch.embedding import FileEmbedding
-from specfast.targets.torch.int8 import (
+from specfast.hardware import torch_threads
+from specfast.model.config import ModelConfig, resolve_device, resolve_dtype, rope_inv_freq
+from specfast.model.core import CORE_CACHE_DTYPES, forward_in_core, runs_in_core
+from specfast.model.decoder import ModelDecoder
+from specfast.model.eager import forward_eager
+from specfast.model.embedding import FileEmbedding
+from specfast.model.kv_cache import KVCache
+from specfast.model.quantize import (
     CORE_MATRICES,
     INT8_SERIAL_ROWS,
     QUANTIZED,
@@ -36,10 +37,8 @@ from specfast.targets.torch.int8 import (
     dequantize,
     int8_kernel,
     quantize,
-    torch_threads,
 )
-from specfast.targets.torch.kv_cache import KVCache
-from specfast.targets.torch.static import compile_step, forward_static, model_capacity
+from specfast.model.static import compile_step, forward_static, model_capacity
 
 # -----------------------------------------------------------------------------
 # the model
@@ -145,7 +144,7 @@ class Model(nn.Module):
         return self.weight_kind
 
     @property
-    def int8(self) -> bool:
+    def quantized(self) -> bool:
         """True once the matrices run in the core with int8 activations (int8, q4 or file
         weights)."""
         return self.weight_kind != "float"
@@ -156,7 +155,7 @@ class Model(nn.Module):
         CORE_CACHE_DTYPES: float32 activations on CPU, with quantized weights, or with float32
         weights (`FloatMatrix`) unless `prepack` is off or the passes run compiled steps."""
         cpu32 = self.dtype == torch.float32 and self.device.type == "cpu"
-        return cpu32 and (self.int8 or (self.prepack and self.compiled_step is None))
+        return cpu32 and (self.quantized or (self.prepack and self.compiled_step is None))
 
     def _packing(self) -> str | None:
         """What packed_weights() packs the matrices for on CPU: "core" (quantized weights, or
@@ -164,7 +163,7 @@ class Model(nn.Module):
         the plain weights)."""
         if self.device.type != "cpu":
             return None
-        if self.int8 or self.in_core:
+        if self.quantized or self.in_core:
             return "core"
         return "oneDNN" if self.prepack and HAS_MKLDNN_LINEAR else None
 
@@ -178,7 +177,7 @@ class Model(nn.Module):
         if not self.in_core:
             return self.dtype
         if self._kv_dtype is None:
-            return torch.float16 if self.int8 else self.dtype
+            return torch.float16 if self.quantized else self.dtype
         return self._kv_dtype
 
     @kv_dtype.setter
@@ -197,11 +196,11 @@ class Model(nn.Module):
         max_length: int | None = None,
     ) -> Model:
         """Decoders made from now on run decode and verify passes as compiled static-shape
-        steps (enabled=False: eager again). See specfast.targets.torch.static. Their KV cache
+        steps (enabled=False: eager again). See specfast.model.static. Their KV cache
         has one capacity, for `max_length` tokens (None: the whole context, up to 4095), so
         generations up to that long share one compile per bucket; a longer decoder gets a
         larger capacity and compiles again. static.warmup compiles ahead. Returns self."""
-        if enabled and self.int8:
+        if enabled and self.quantized:
             raise ValueError("int8 weights run eagerly on CPU; compile a float model instead")
         if enabled and self.config.sliding_layers:
             raise ValueError(
@@ -252,38 +251,8 @@ class Model(nn.Module):
     def max_context(self) -> int:
         return self.config.max_context
 
-    def decoder(self, max_length: int | None = None) -> Decoder:
-        return Decoder(self, self.max_context if max_length is None else max_length)
-
-    # -- the rest of the Target protocol (targets/base.py): a Model is its own target
-
-    features = True  # its decoders return the inputs of chosen layers
-    supports_head = True  # its decoders' forward takes head= (OutputRows)
-    context_hint = ""
-
-    @property
-    def source(self) -> Model:
-        return self
-
-    def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def eagle_facts(self) -> EagleFacts:
-        c = self.config
-        return EagleFacts(
-            c.vocab_size, c.dim, c.n_layers, self.dtype, self.device,
-            lambda dtype: self.embed.weight,
-        )  # fmt: skip
-
-    def describe(self) -> dict[str, str]:
-        """dtype, weights, the KV cache's dtype and how a pass runs (eager or compiled)."""
-        return {
-            "runtime": "specfast",
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "weights": self.weights,
-            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
-            "step": "compiled" if self.compiled_step is not None else "eager",
-        }
+    def decoder(self, max_length: int | None = None) -> ModelDecoder:
+        return ModelDecoder(self, self.max_context if max_length is None else max_length)
 
     # -- rope
 
@@ -394,7 +363,7 @@ class Model(nn.Module):
     def _pack(self, w: torch.Tensor, head: bool = False):
         """One matrix as packed_weights() holds it: quantized (the head int8), FloatMatrix, or
         oneDNN-blocked for 16 rows (no slower than unpacked for 1 row, faster for 4-16)."""
-        if self.int8:
+        if self.quantized:
             return quantize(w, "int8" if head else self.weight_kind)
         if self.in_core:
             return FloatMatrix(w.detach().contiguous().numpy())
@@ -444,7 +413,7 @@ class Model(nn.Module):
 
     def quantize_int8(self, weights: str = "int8") -> Model:
         """Runs every matrix but the embedding lookup in the core with int8 activations, on CPU
-        (see specfast.targets.torch.int8), each activation row quantized on its own, so a verify
+        (see specfast.model.quantize), each activation row quantized on its own, so a verify
         pass gives row for row what one-token passes give. Where the core does not run the
         layers (gemma3), torch runs them around the core's matrix products.
 
@@ -493,15 +462,25 @@ class Model(nn.Module):
         Writes the T new keys/values into the cache; does not move its length. Shapes follow the
         context: the eager path, for prefill and for CPU decoding.
         """
-        if self.in_core and ids.shape[0] <= INT8_SERIAL_ROWS:
-            with torch_threads(1):
-                return self._forward(ids, cache, pos, last_only, head, aux_layers)
-        return self._forward(ids, cache, pos, last_only, head, aux_layers)
+        return self.pass_for(cache)(ids, cache, pos, last_only, head, aux_layers)
 
-    def _forward(self, ids, cache, pos, last_only, head, aux_layers):
-        if runs_in_core(self, cache):
-            return forward_in_core(self, ids, cache, pos, last_only, head, aux_layers)
-        return forward_eager(self, ids, cache, pos, last_only, head, aux_layers)
+    def pass_for(self, cache: KVCache) -> Callable[..., Any]:
+        """How a pass over `cache` runs, with forward's arguments: wholly in the Rust core
+        (core.py) where the weights, dtype and device allow it and the cache has a dtype the
+        core reads, else torch's eager layers (eager.py). A ModelDecoder picks it once, when it
+        is made; its compiled steps (static.py), where the model has them, come before it."""
+        run = forward_in_core if runs_in_core(self, cache) else forward_eager
+        if not self.in_core:
+            return partial(run, self)
+
+        def few_rows_on_one_thread(ids, *args):
+            # A pass of a few rows is the core's: torch's own ops wait on its helper thread.
+            if ids.shape[0] > INT8_SERIAL_ROWS:
+                return run(self, ids, *args)
+            with torch_threads(1):
+                return run(self, ids, *args)
+
+        return few_rows_on_one_thread
 
     def forward_static(
         self,

@@ -58,20 +58,6 @@ INT8_SERIAL_ROWS = 64
 AUTO_MIN_WEIGHTS = 32_000_000
 
 
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch's intra-op thread count set to n inside the block."""
-    before = torch.get_num_threads()
-    if before == n:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def quantize(weight: torch.Tensor, kind: str = "int8") -> Int8Matrix | Q4Matrix | GgufMatrix:
     """(N, K) float weight -> int8 (one scale per row), q4 (Q4_1: per group of 32), or "file":
     float values have no file blocks, so Q8_0 (a scale per 32: the nearest ggml layout to

@@ -1,8 +1,9 @@
 """One sequence over a specfast Model: a preallocated KV cache and the length of what it holds.
 
-A pass runs one of three ways, each in its own module, chosen per call by what the model and
-the pass are: compiled static-shape steps (static.py, where the model compiled them), one call
-into the core (core.py, float32 activations on CPU), or torch's eager layers (eager.py). All
+A pass runs one of three ways, each in its own module: compiled static-shape steps (static.py,
+where the model compiled them, for the shapes they take), else one call into the core (core.py,
+float32 activations on CPU) or torch's eager layers (eager.py), which of the two chosen once, when
+the decoder is made (Model.pass_for). All
 three write the new keys and values at the cache's length and give the same rows' logits, so
 the round never knows which ran. rollback(n) only moves the counter: entries past it are never
 attended to and get overwritten by the next forward.
@@ -15,14 +16,14 @@ from typing import Any
 
 import torch
 
+from specfast.hardware import torch_threads
+from specfast.model.core import CoreGreedy
+from specfast.model.kv_cache import KVCache
+from specfast.model.static import StaticStep
 from specfast.targets.base import argmax_rows, check_aux_layers, check_ids, to_device
-from specfast.targets.torch.core import CoreGreedy
-from specfast.targets.torch.int8 import torch_threads
-from specfast.targets.torch.kv_cache import KVCache
-from specfast.targets.torch.static import StaticStep
 
 
-class Decoder:
+class ModelDecoder:
     """A static, preallocated KV cache over `model`, plus the length of what it holds."""
 
     def __init__(self, model, max_length: int):
@@ -44,6 +45,7 @@ class Decoder:
                 c.n_layers, c.n_kv_heads, max_length, c.head_dim, model.device, model.kv_dtype
             )
             model.rope(max_length)
+        self._pass = model.pass_for(self.cache)  # chosen once: see Model.pass_for
         self.core = CoreGreedy()
 
     @property
@@ -84,7 +86,7 @@ class Decoder:
             return self.static.run(ids)[0].float()
         T, pos = ids.shape[0], self.cache.length
         with torch.inference_mode():
-            out = m(ids.long(), self.cache, pos, last_only, head, aux)
+            out = self._pass(ids.long(), self.cache, pos, last_only, head, aux)
         self.cache.length = pos + T
         if aux is None:
             return out.float()
@@ -121,7 +123,7 @@ class Decoder:
     def reset(self) -> None:
         self.cache.rollback(0)
 
-    def copy(self) -> Decoder:
+    def copy(self) -> ModelDecoder:
         """A new decoder of the same model holding this one's first `length` positions."""
         new = self.model.decoder(self.max_length)
         new.cache.copy_from(self.cache)

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from specfast._core import CoreLayers
+from specfast.model.eager import model_features
+from specfast.model.kv_cache import KVCache
+from specfast.model.quantize import INT8_SERIAL_ROWS
 from specfast.targets.base import argmax_array, check_ids
-from specfast.targets.torch.eager import model_features
-from specfast.targets.torch.int8 import INT8_SERIAL_ROWS
-from specfast.targets.torch.kv_cache import KVCache
 
 # Caches a model's passes run in the core over (kernels' attention.rs): float16 halves what a pass
 # reads at long context; each value is rounded once, when written.
@@ -95,7 +95,7 @@ class CoreGreedy:
     """A decoder's greedy passes in the core, over NumPy views of its arrays: a pass streams
     the weights through the caches, so a torch op between passes runs cold, and the dozen in
     Model.forward cost a one-row pass a measurable share (benches/bench_runtime.py). The same
-    call into the core on the same values, so the same ids as Decoder.forward's argmax."""
+    call into the core on the same values, so the same ids as ModelDecoder.forward's argmax."""
 
     def __init__(self):
         # (No reference to the decoder: a cycle would keep a compiled decoder's cache buffers

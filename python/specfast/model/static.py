@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from specfast.targets.torch.attention import attention
-from specfast.targets.torch.kv_cache import static_cache
+from specfast.model.attention import attention
+from specfast.model.kv_cache import static_cache
 
 # Rows of a verify step are padded up to one of these; a decode step is bucket 1.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
