@@ -36,7 +36,8 @@ import time
 import torch
 
 from specfast.hardware import cpu_flags_label
-from specfast.model.model import Model, ModelConfig, resolve_dtype
+from specfast.model import Model, ModelConfig
+from specfast.model.config import resolve_dtype
 
 NS = (1, 2, 4, 8, 16, 32)
 CONTEXT = 500

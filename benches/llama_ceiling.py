@@ -32,7 +32,7 @@ import specfast
 from specfast.bench.llama import llama_cpp_engine, load_llamas
 from specfast.bench.workloads import build_workloads
 from specfast.hardware import cpu_flags_label
-from specfast.model.model import Model
+from specfast.model import Model
 from specfast.targets.base import default_model_path
 from specfast.targets.llama_cpp import LlamaDecoder
 

@@ -14,7 +14,7 @@ import gc
 import resource
 
 import specfast
-from specfast.model.model import Model
+from specfast.model import Model
 
 
 def rss_mb() -> float:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import specfast
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 
 
 def rss_mb() -> float:

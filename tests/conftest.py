@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

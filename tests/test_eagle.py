@@ -9,7 +9,7 @@ import torch
 from conftest import needs_transformers
 from test_cli import run_main, tiny_model_dir  # noqa: F401  (tiny_model_dir: a fixture)
 
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 from specfast.targets.base import default_aux_layers
 
 # ----------------------------------------------------------------------------

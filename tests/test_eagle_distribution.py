@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_generate_distribution import chi2_pvalue
 
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 
 V2 = 4
 PROMPT2 = [1, 2, 3, 0, 2]

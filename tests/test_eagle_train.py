@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from specfast.bench import workloads
 from specfast.eagle import data as ed
 from specfast.eagle import train as et
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 from specfast.targets.base import default_aux_layers
 
 

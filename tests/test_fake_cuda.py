@@ -32,9 +32,9 @@ except ImportError:
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specfast
+from specfast.model import Model, ModelConfig
 from specfast.model import attention as attention_module
 from specfast.model.kv_cache import KVCache, static_cache
-from specfast.model.model import Model, ModelConfig
 
 CONFIG = ModelConfig(vocab_size=300, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_context=512)
 DRAFT = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_context=512)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specfast
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 
 CONFIGS = {
     "llama-gqa-untied": ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2),

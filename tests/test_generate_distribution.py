@@ -12,7 +12,7 @@ import torch
 
 import specfast
 import specfast.targets
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 
 # `specfast.generate` is the function; the loop's module is patched for the negative controls.
 generate_module = importlib.import_module("specfast.generate")

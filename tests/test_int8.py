@@ -252,7 +252,7 @@ def test_per_tensor_activation_scales_break_speculative_exactness(monkeypatch):
     passes, and the speculative output drifts from plain greedy. In float32 the whole pass runs
     in the core; in bfloat16 torch runs it, each product through `core_linear`, which the fault
     replaces."""
-    import specfast.model.model as model_module
+    import specfast.model.layers as layers_module
 
     def verify_equals_rows(model) -> bool:
         d = model.decoder(128)
@@ -273,7 +273,7 @@ def test_per_tensor_activation_scales_break_speculative_exactness(monkeypatch):
     model = tiny_model().to(torch.bfloat16).quantize_int8()
     ids = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(1))
     assert verify_equals_rows(model)
-    monkeypatch.setattr(model_module, "core_linear", per_tensor)
+    monkeypatch.setattr(layers_module, "core_linear", per_tensor)
     assert not verify_equals_rows(model)
 
 

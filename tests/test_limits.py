@@ -10,7 +10,7 @@ import pytest
 
 import specfast
 from specfast import NgramDrafter
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 
 
 def _model(dim=64, layers=2, max_context=256, seed=0):

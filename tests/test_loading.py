@@ -285,7 +285,7 @@ def float_matrices_alive(monkeypatch, load) -> int:
     import gc
 
     import specfast.formats.common as common
-    import specfast.model.model as model_module
+    import specfast.model.packing as packing_module
 
     def matrices():
         return [
@@ -310,7 +310,7 @@ def float_matrices_alive(monkeypatch, load) -> int:
         return real(w, kind)
 
     monkeypatch.setattr(common, "quantize", watching)
-    monkeypatch.setattr(model_module, "quantize", watching)
+    monkeypatch.setattr(packing_module, "quantize", watching)
     load()
     return most
 

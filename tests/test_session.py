@@ -252,7 +252,7 @@ def shared_state(a, b) -> list[str]:
     import torch
 
     from specfast.eagle.head import EagleHead, FastLinears
-    from specfast.model.model import OutputRows
+    from specfast.model.packing import OutputRows
     from specfast.targets.torch import ModelTarget
 
     # Weights (OutputRows: a model's projection rows, cached per model; a model's target

@@ -8,7 +8,7 @@ from test_cli import tiny_model_dir  # noqa: F401  (the fixture: a tiny HF folde
 from test_session import context_of, messages, plain, tiny
 
 import specfast
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 from specfast.session import Session
 
 

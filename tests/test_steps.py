@@ -17,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import specfast
 from specfast import hardware
 from specfast.autok import measured_pass_costs
+from specfast.model import Model, ModelConfig
 from specfast.model import static as steps
-from specfast.model.model import Model, ModelConfig, resolve_dtype
+from specfast.model.config import resolve_dtype
 
 CONFIG = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_context=512)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]

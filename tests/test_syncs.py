@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_fake_cuda import DRAFT, FakeCuda, cuda_head, cuda_model, run
 
-from specfast.model.model import Model
+from specfast.model import Model
 from specfast.targets import base
 
 generate_module = importlib.import_module("specfast.generate")

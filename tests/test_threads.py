@@ -15,7 +15,7 @@ import torch
 
 import specfast
 from specfast import NgramDrafter
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 
 THREADS = 8
 CHUNK = 5000  # above the 4096 tokens past which extend releases the GIL

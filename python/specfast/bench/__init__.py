@@ -58,7 +58,7 @@ from specfast.bench.report import (
     write_json,
 )
 from specfast.bench.workloads import build_workloads, read_prompts
-from specfast.model.model import resolve_dtype
+from specfast.model.config import resolve_dtype
 from specfast.targets import LlamaTokenizer, as_target, llama_eos_ids
 
 ENGINES = (

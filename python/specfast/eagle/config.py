@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specfast.model.model import Model
+from specfast.model import Model
 from specfast.targets.base import default_aux_layers
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

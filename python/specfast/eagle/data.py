@@ -43,7 +43,7 @@ from specfast.bench import workloads
 from specfast.chat import render_chat
 from specfast.eagle.prompts import CODE_MODULES, CODE_TASKS, QUESTIONS, QUOTE_TASKS
 from specfast.generate import generate
-from specfast.model.model import linear
+from specfast.model.layers import final_logits, linear, run_layers
 
 # ---------------------------------------------------------------------------- the split
 
@@ -341,8 +341,8 @@ def batched_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids
                 )  # fmt: skip
                 return y[:, :, 0].transpose(0, 1)  # (H, B, hd)
 
-            x = model._layers(model.embed_tokens(ids), cos, sin, attend, packed)
-            top = model._head(x, None, packed).argmax(dim=-1).tolist()
+            x = run_layers(model, model.embed_tokens(ids), cos, sin, attend, packed)
+            top = final_logits(model, x, None, packed).argmax(dim=-1).tolist()
             for b in live:
                 outs[b].append(top[b])
                 pos[b] += 1

@@ -33,12 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specfast.eagle.config import EagleConfig
-from specfast.model.model import (
-    HAS_MKLDNN_LINEAR,
-    linear,
-    resolve_dtype,
-    rope_inv_freq,
-)
+from specfast.model.config import resolve_dtype, rope_inv_freq
+from specfast.model.layers import HAS_MKLDNN_LINEAR, linear
 from specfast.model.quantize import core_linear, quantize
 from specfast.targets import as_target
 from specfast.targets.base import EagleFacts, default_aux_layers

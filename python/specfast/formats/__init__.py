@@ -13,7 +13,9 @@ import torch
 
 from specfast.formats.gguf import auto_candidates, gguf_summary, load_gguf
 from specfast.formats.hf_folder import load_hf_folder
-from specfast.model.model import Model, resolve_device, resolve_dtype, trim_heap
+from specfast.model import Model
+from specfast.model.config import resolve_device, resolve_dtype
+from specfast.model.packing import trim_heap
 from specfast.model.quantize import (
     QUANTIZED,
     auto_float_dtype,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 from specfast.model.quantize import quantize
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")

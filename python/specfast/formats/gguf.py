@@ -18,8 +18,8 @@ from specfast.formats.common import (
     int_list,
 )
 from specfast.formats.gguf_tokenizer import gguf_field, tokenizer_from_gguf
+from specfast.model import Model, ModelConfig
 from specfast.model.embedding import FileEmbedding
-from specfast.model.model import Model, ModelConfig
 from specfast.model.quantize import CoreMatrix, q8_0_blocks, quantize
 
 # ggml's float types: a GGUF whose layer matrices are all of these is not quantized.

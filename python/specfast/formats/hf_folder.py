@@ -15,7 +15,7 @@ from specfast.formats.common import (
     gemma3_fields,
     int_list,
 )
-from specfast.model.model import Model, ModelConfig
+from specfast.model import Model, ModelConfig
 
 
 def _gemma3_options(cfg: dict) -> dict:

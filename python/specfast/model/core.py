@@ -11,6 +11,7 @@ import torch
 from specfast._core import CoreLayers
 from specfast.model.eager import model_features
 from specfast.model.kv_cache import KVCache
+from specfast.model.layers import final_logits
 from specfast.model.quantize import INT8_SERIAL_ROWS
 from specfast.targets.base import argmax_array, check_ids
 
@@ -50,7 +51,7 @@ def forward_in_core(model, ids, cache: KVCache, pos: int, last_only, head, aux_l
         for i, f in zip(ids_aux, feats, strict=True):
             aux[i] = f
     if logits is None:
-        logits = model._head(x[-1:] if last_only else x, head, packed)
+        logits = final_logits(model, x[-1:] if last_only else x, head, packed)
     return logits if aux is None else (logits, model_features(aux, aux_layers))
 
 

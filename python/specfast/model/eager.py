@@ -16,6 +16,7 @@ from specfast.model.attention import (
     window_mask,
 )
 from specfast.model.kv_cache import KVCache
+from specfast.model.layers import final_logits, run_layers
 from specfast.model.quantize import INT8_SERIAL_ROWS
 
 
@@ -61,8 +62,8 @@ def forward_eager(model, ids, cache: KVCache, pos: int, last_only, head, aux_lay
     packed = model.packed_weights()
     aux: dict | None = None if aux_layers is None else dict.fromkeys(aux_layers)
     with eager_attention_backends(ids.device):
-        x = model._layers(model.embed_tokens(ids), cos, sin, attend, packed, aux, local)
-    logits = model._head(x[-1:] if last_only else x, head, packed)
+        x = run_layers(model, model.embed_tokens(ids), cos, sin, attend, packed, aux, local)
+    logits = final_logits(model, x[-1:] if last_only else x, head, packed)
     return logits if aux is None else (logits, model_features(aux, aux_layers))
 
 

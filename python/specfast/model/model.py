@@ -1,24 +1,21 @@
 """A lean Llama-family transformer (llama, qwen2, qwen3, mistral, SmolLM; gemma3's text
 layers) for batch-1 decoding.
 
-One sequence, no batch dimension: activations are (T, D). This file holds the weights (and their
-packing for the CPU kernels) and the layers' math; a pass runs through decoder.py, by one of
-eager.py, core.py or static.py, with attention in attention.py. The KV cache lives in a
+One sequence, no batch dimension: activations are (T, D). This file holds the weights and what
+is set on them (dtype, quantization, compiled steps); their packing for the CPU kernels is in
+packing.py, the layers' math in layers.py. A pass runs through decoder.py, by one of eager.py,
+core.py or static.py, with attention in attention.py. The KV cache lives in a
 `ModelDecoder`, so one set of weights can serve several independent sequences (the target can be its
 own draft).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specfast.hardware import torch_threads
@@ -28,73 +25,17 @@ from specfast.model.decoder import ModelDecoder
 from specfast.model.eager import forward_eager
 from specfast.model.embedding import FileEmbedding
 from specfast.model.kv_cache import KVCache
+from specfast.model.layers import HAS_MKLDNN_LINEAR, Layer
+from specfast.model.packing import OutputRows, PackedWeights
 from specfast.model.quantize import (
-    CORE_MATRICES,
     INT8_SERIAL_ROWS,
     QUANTIZED,
-    FloatMatrix,
-    core_linear,
-    dequantize,
     int8_kernel,
-    quantize,
 )
 from specfast.model.static import compile_step, forward_static, model_capacity
 
-# -----------------------------------------------------------------------------
-# the model
 
-HAS_MKLDNN_LINEAR = (
-    torch.backends.mkldnn.is_available()
-    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-)
-
-
-def linear(x, weight, packed=None, bias=None):
-    """F.linear, through a oneDNN-prepacked weight or a core matrix if given."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    if isinstance(packed, CORE_MATRICES):
-        y = core_linear(x, packed)
-        return y if bias is None else y + bias
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def trim_heap() -> None:
-    """Hands freed heap memory back to the OS (glibc's malloc_trim). glibc keeps large freed
-    blocks for reuse, so without this the weights packing replaced (or a loader's temporaries)
-    stay in the process's resident memory. A no-op elsewhere."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _to_placeholder(m: nn.Linear) -> None:
-    """Drops a matrix's values, keeping its shape and dtype (a meta tensor)."""
-    w = torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta")
-    m.weight = nn.Parameter(w, requires_grad=False)
-
-
-class Layer(nn.Module):
-    """One layer's weights: norms, fused q/k/v, the output projection, fused gate/up, down."""
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        qkv_out = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-        self.attn_norm = nn.Parameter(torch.ones(c.dim))
-        self.wqkv = nn.Linear(c.dim, qkv_out, bias=c.attn_bias)  # fused q, k, v
-        if c.qk_norm:  # (hd,) gains shared by every query head, and by every key head
-            self.q_norm = nn.Parameter(torch.ones(c.head_dim))
-            self.k_norm = nn.Parameter(torch.ones(c.head_dim))
-        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
-        self.ffn_norm = nn.Parameter(torch.ones(c.dim))
-        self.w_gate_up = nn.Linear(c.dim, 2 * c.intermediate_size, bias=False)  # fused
-        self.w_down = nn.Linear(c.intermediate_size, c.dim, bias=False)
-        if c.post_norms:  # gemma3: on the attention's and the MLP's outputs, before the sum
-            self.post_attn_norm = nn.Parameter(torch.ones(c.dim))
-            self.post_ffn_norm = nn.Parameter(torch.ones(c.dim))
-
-
-class Model(nn.Module):
+class Model(PackedWeights, nn.Module):
     """Weights of a Llama-family model. `decoder(max_length)` gives one sequence's state."""
 
     def __init__(self, config: ModelConfig):
@@ -290,127 +231,6 @@ class Model(nn.Module):
 
     # -- CPU weight prepacking
 
-    def packed_weights(self) -> list | None:
-        """Per layer (wqkv, wo, w_gate_up, w_down) and then lm_head, as the core's matrices where
-        passes run in the core (float32 on CPU: FloatMatrix, or quantized after
-        `quantize_int8()`), else as oneDNN-blocked weights (`_packing`).
-
-        On CPU, a plain F.linear makes oneDNN re-lay out a bf16 weight on every call, and MKL's
-        fp32 GEMM gets slow for 2-16 rows. Prepacked weights make a forward over 1-16 tokens cost
-        about the same, which is what verification needs. None off CPU or with
-        `prepack = False`.
-
-        The packed copy replaces the plain weights of those matrices (they become shape-only
-        placeholders on the meta device), so packing does not double the model's memory.
-        `unpack()` restores them exactly (oneDNN's reorder is lossless; int8 ones come back
-        dequantized); call it before reading or editing a matrix in place, and before
-        `state_dict()`. A model with compiled steps keeps the plain weights, which they read.
-        """
-        if self._packed is not None:
-            return self._packed or None
-        packed: list = []
-        # Each plain matrix goes as soon as its packed copy exists, so the peak is one copy.
-        release = self.compiled_step is None
-        released: list[tuple[nn.Linear, torch.Tensor]] = []
-
-        def pack(m: nn.Linear, head: bool = False):
-            p = self._pack(m.weight, head)
-            if release:
-                released.append((m, p))
-                _to_placeholder(m)
-            return p
-
-        if self._packing() is not None:
-            try:
-                for layer in self.layers:
-                    packed.append(
-                        [pack(m) for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-                    )
-                # A tied head is the embedding, which the lookup still needs: kept.
-                packed.append(
-                    pack(self.lm_head, head=True)
-                    if self.lm_head is not None
-                    else self._pack(self.embed.weight, head=True)
-                )
-            except RuntimeError:  # a oneDNN build that cannot pack this dtype: plain F.linear
-                for m, p in released:
-                    m.weight = nn.Parameter(p.to_dense(), requires_grad=False)
-                packed, released = [], []
-        self._packed = packed
-        self._plain_released = bool(released)
-        if released:
-            trim_heap()
-        return packed or None
-
-    def _packed_modules(self) -> list[tuple[nn.Linear, int, int | None]]:
-        """(module, layer index or -1 for the head, matrix index) for every packed matrix."""
-        out: list[tuple[nn.Linear, int, int | None]] = [
-            (m, i, j)
-            for i, layer in enumerate(self.layers)
-            for j, m in enumerate((layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
-        ]
-        return out + ([(self.lm_head, -1, None)] if self.lm_head is not None else [])
-
-    def _restore_plain(self) -> None:
-        if not self._plain_released:
-            return
-        packed = self._packed or []
-        for m, i, j in self._packed_modules():
-            w = self._unpacked(packed[i][j] if j is not None else packed[-1])
-            m.weight = nn.Parameter(w, requires_grad=False)
-        self._plain_released = False
-
-    def _pack(self, w: torch.Tensor, head: bool = False):
-        """One matrix as packed_weights() holds it: quantized (the head int8), FloatMatrix, or
-        oneDNN-blocked for 16 rows (no slower than unpacked for 1 row, faster for 4-16)."""
-        if self.quantized:
-            return quantize(w, "int8" if head else self.weight_kind)
-        if self.in_core:
-            return FloatMatrix(w.detach().contiguous().numpy())
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
-
-    def _unpacked(self, p) -> torch.Tensor:
-        """The plain matrix a packed one stands for."""
-        if isinstance(p, CORE_MATRICES):
-            return dequantize(p).to(self.dtype)
-        return p.to_dense()
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """(V, D): the vocabulary projection (the embedding when they are tied)."""
-        if self.lm_head is None:
-            return self.embed.weight
-        if self._plain_released and self._packed:  # a dense copy for the caller, not kept
-            return self._unpacked(self._packed[-1])
-        return self.lm_head.weight
-
-    def output_rows(self, ids: torch.Tensor) -> OutputRows:
-        """The vocabulary projection for the tokens `ids` only, packed as the model's own is."""
-        return OutputRows(self, ids)
-
-    def first_rows(self, n: int) -> OutputRows:
-        """output_rows(arange(n)), built once per model (a draft model's common tokens)."""
-        if n not in self._rows_cache:
-            self._rows_cache[n] = OutputRows(self, torch.arange(n))
-        return self._rows_cache[n]
-
-    def adopt_quantized(self, kind: str, packed: list) -> None:
-        """Runs on `packed` (per layer the core's wqkv, wo, w_gate_up and w_down, then the
-        head's), quantized as `kind` by a loader; the plain matrices are already placeholders,
-        which `unpack()` refills from these."""
-        if kind not in QUANTIZED or len(packed) != len(self.layers) + 1:
-            raise ValueError(f"adopt_quantized needs {QUANTIZED} matrices for every layer")
-        self.weight_kind = kind
-        self._packed, self._plain_released = packed, True
-        self._rows_cache, self._stack = {}, (None, None)
-
-    def unpack(self) -> None:
-        """Drops the packed copy and restores the plain weights it replaced."""
-        self._restore_plain()
-        self._packed = None
-        self._rows_cache = {}
-        self._stack = (None, None)
-
     def quantize_int8(self, weights: str = "int8") -> Model:
         """Runs every matrix but the embedding lookup in the core with int8 activations, on CPU
         (see specfast.model.quantize), each activation row quantized on its own, so a verify
@@ -494,66 +314,3 @@ class Model(nn.Module):
         """The pass with every shape fixed, for torch.compile and CUDA graphs
         (static.forward_static) -> (logits (B, V), argmax ids (B,))."""
         return forward_static(self, ids, positions, k_cache, v_cache, cos_table, sin_table)
-
-    def _layers(self, x, cos, sin, attend, packed, aux=None, local=None) -> torch.Tensor:
-        """x (T, D) through every layer; `attend(i, q, k, v)` stores k, v and attends. `aux`
-        (layer id -> None) gets the residual stream entering each of its layers. `local`: the
-        (cos, sin) of the sliding layers, where their RoPE differs."""
-        c = self.config
-        T, H, Hkv, hd = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
-        act = F.silu if c.act == "silu" else partial(F.gelu, approximate="tanh")
-        q_gain = None if c.attn_scale is None else c.attn_scale * math.sqrt(hd)
-        global_rope = (cos, sin)
-        for i, layer in enumerate(self.layers):
-            cos, sin = local if local is not None and i in c.sliding_layers else global_rope
-            if aux is not None and i in aux:
-                aux[i] = x  # (T, D): the input of layer i = the output of layer i - 1
-            pw = packed[i] if packed else (None,) * 4
-            h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps)
-            qkv = linear(h, layer.wqkv.weight, pw[0], layer.wqkv.bias)  # (T, (H + 2Hkv) * hd)
-            qk = qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd)
-            v = qkv[:, (H + Hkv) * hd :].view(T, Hkv, hd)
-            if c.qk_norm:  # each head normed on its own, queries and keys by their own gains
-                gains = torch.cat([layer.q_norm.expand(H, hd), layer.k_norm.expand(Hkv, hd)])
-                qk = F.rms_norm(qk, (hd,), eps=c.norm_eps) * gains  # (T, H + Hkv, hd)
-            x1, x2 = qk.chunk(2, dim=-1)
-            qk = qk * cos + torch.cat([-x2, x1], dim=-1) * sin  # RoPE on q and k at once
-            q, k = qk.split([H, Hkv], dim=1)  # (T, H, hd), (T, Hkv, hd)
-            if q_gain is not None:  # attention scales scores by 1/sqrt(hd): make it attn_scale
-                q = q * q_gain
-            y = attend(i, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # (H, T, hd)
-            y = linear(y.transpose(0, 1).reshape(T, H * hd), layer.wo.weight, pw[1])
-            if c.post_norms:
-                y = F.rms_norm(y, (c.dim,), layer.post_attn_norm, c.norm_eps)
-            x = x + y
-            h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
-            gate, up = linear(h, layer.w_gate_up.weight, pw[2]).chunk(2, dim=-1)  # (T, F) each
-            y = linear(act(gate) * up, layer.w_down.weight, pw[3])
-            if c.post_norms:
-                y = F.rms_norm(y, (c.dim,), layer.post_ffn_norm, c.norm_eps)
-            x = x + y
-        return x
-
-    def _head(self, x, head, packed) -> torch.Tensor:
-        x = F.rms_norm(x, (self.config.dim,), self.norm, self.config.norm_eps)
-        if head is not None:
-            return head(x)  # (T, S)
-        if packed:  # (output_weight would rebuild a dense copy of a packed head: not read)
-            return linear(x, None, packed[-1])  # (T, V)
-        return F.linear(x, self.output_weight)  # (T, V)
-
-
-class OutputRows:
-    """A model's vocabulary projection restricted to the tokens `ids`: hidden (T, D) -> logits
-    (T, len(ids)), row i for token ids[i]. A copy of those rows, packed like the model's."""
-
-    def __init__(self, model: Model, ids: torch.Tensor):
-        self.ids = ids.to(model.device)
-        if model.lm_head is None:  # the embedding's rows: a lookup, whatever its storage
-            self.weight = model.embed(self.ids).contiguous()  # (S, D)
-        else:
-            self.weight = model.output_weight[self.ids].contiguous()
-        self.packed = model._pack(self.weight) if model.packed_weights() else None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed)

@@ -21,6 +21,7 @@ import torch
 
 from specfast.model.attention import attention
 from specfast.model.kv_cache import static_cache
+from specfast.model.layers import final_logits, run_layers
 
 # Rows of a verify step are padded up to one of these; a decode step is bucket 1.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -145,8 +146,8 @@ def forward_static(model, ids, positions, k_cache, v_cache, cos_table, sin_table
 
     # oneDNN-prepacked weights are opaque to the compiler; inductor lays out its own.
     packed = None if torch.compiler.is_compiling() else model.packed_weights()
-    x = model._layers(model.embed_tokens(ids), cos, sin, attend, packed)
-    logits = model._head(x, None, packed)
+    x = run_layers(model, model.embed_tokens(ids), cos, sin, attend, packed)
+    logits = final_logits(model, x, None, packed)
     return logits, logits.argmax(dim=-1)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from specfast.model import Model, ModelDecoder
-from specfast.model.model import OutputRows
+from specfast.model.packing import OutputRows
 from specfast.targets.base import EagleFacts
 
 
