@@ -10,7 +10,7 @@
 #
 # $OUT gets train.log, heldout.json (mean acceptance length per kind and k, new head and the
 # shipped one) and the head: config.json, model.safetensors, training.json, TRAINING.md. To
-# ship it, copy those four into python/specfast/eagle/heads/<model>/ once heldout.json says it
+# ship it, copy those four into python/specfast/drafters/eagle/heads/<model>/ once heldout.json says it
 # beats the shipped head. Knobs: MINUTES (training; the schedule fits it), PROMPT_SCALE,
 # MAX_NEW_TOKENS, BATCH, CORPUS_TOKENS, STEPS, DOCS_PER_STEP, TTT_STEPS, LR, DRAFT_VOCAB,
 # EVAL_PER_KIND.
@@ -72,11 +72,12 @@ import sys
 from importlib.resources import files
 
 import specfast
-from specfast.eagle.train import held_out_acceptance, load_train_head
+from specfast.train.acceptance import held_out_acceptance
+from specfast.train.heads import load_train_head
 
 model_path, device, new, per_kind, out = sys.argv[1:]
 target = specfast.load_model(model_path, device=device, compile="off")
-shipped = files("specfast.eagle") / "heads" / "smollm2-135m-instruct"
+shipped = files("specfast.drafters.eagle") / "heads" / "smollm2-135m-instruct"
 heads = {"new": load_train_head(new)}
 if json.loads((shipped / "config.json").read_text())["vocab_size"] == target.vocab_size:
     heads["shipped"] = load_train_head(shipped)

@@ -195,7 +195,7 @@ def plain(target) -> list[int]:
 @pytest.fixture(scope="module")
 def fitted_head(target, plain):
     """A head of part of the vocabulary (200 of 300 ids, shuffled) that learned `plain`."""
-    from specfast.eagle.head import EagleConfig, random_head
+    from specfast.drafters.eagle.head import EagleConfig, random_head
 
     config = EagleConfig.for_target(target, draft_vocab_size=200, aux_layers=(1, 2, 4))
     head = random_head(config, seed=1)
@@ -253,7 +253,7 @@ def test_a_head_over_an_int8_target_drafts_in_int8_and_stays_exact(fitted_head):
 def test_greedy_with_a_random_head_is_plain_greedy(target, plain):
     """Mostly rejected drafts, and a prompt that is not what any head saw."""
     import specfast
-    from specfast.eagle.head import EagleConfig, random_head
+    from specfast.drafters.eagle.head import EagleConfig, random_head
 
     head = random_head(EagleConfig.for_target(target, draft_vocab_size=50), seed=3, scale=10)
     prompt = [7, 3, 250, 11, 4]
@@ -299,7 +299,7 @@ def test_a_long_catch_up_restarts_the_head_on_the_newest_rows(target, plain, fit
     feeds at most that many, the output stays plain greedy, and the restarted head drafts what
     a fresh head given only those rows drafts."""
     import specfast
-    import specfast.drafters.eagle as eagle
+    import specfast.drafters.eagle.draft as eagle
 
     window, fed_rows = 5, []
     real_feed = eagle.EagleDraft._feed
@@ -372,7 +372,7 @@ def test_eagle_and_ngram_both_draft_with_a_fixed_k(target, fitted_head, monkeypa
 
 
 def small_head(target, vd: int = 40, **kw):
-    from specfast.eagle.head import EagleConfig, random_head
+    from specfast.drafters.eagle.head import EagleConfig, random_head
 
     head = random_head(EagleConfig.for_target(target, draft_vocab_size=vd, **kw), seed=5)
     head.set_draft_vocab(list(range(300 - vd, 300)))  # d2t = 300 - vd for every id
@@ -395,7 +395,7 @@ def test_save_and_load_round_trip(target, tmp_path):
     from safetensors import safe_open
 
     import specfast
-    from specfast.eagle.head import save_eagle
+    from specfast.drafters.eagle.files import save_eagle
 
     head = small_head(target)
     save_eagle(head, tmp_path, dtype="float32")
@@ -423,7 +423,8 @@ def test_bf16_file_and_model_prefix_and_own_embedding(target, tmp_path):
     from safetensors.torch import load_file, save_file
 
     import specfast
-    from specfast.eagle.head import EagleHead, save_eagle
+    from specfast.drafters.eagle.files import save_eagle
+    from specfast.drafters.eagle.head import EagleHead
 
     head = small_head(target)
     save_eagle(head, tmp_path, dtype="bfloat16")
@@ -447,7 +448,7 @@ def write_head(target, path, edit=None, config_edit=None):
 
     from safetensors.torch import load_file, save_file
 
-    from specfast.eagle.head import save_eagle
+    from specfast.drafters.eagle.files import save_eagle
 
     save_eagle(small_head(target), path, dtype="float32")
     sd = load_file(str(path / "model.safetensors"))
@@ -538,7 +539,7 @@ def test_eagle_string_without_a_shipped_head_says_so(target, monkeypatch, tmp_pa
     import specfast
     import specfast.drafters.eagle
 
-    monkeypatch.setattr(specfast.eagle.head, "DEFAULT_HEAD", tmp_path / "absent")
+    monkeypatch.setattr(specfast.drafters.eagle.files, "DEFAULT_HEAD", tmp_path / "absent")
     with pytest.raises(ValueError, match="not there"):
         specfast.generate(target, [1, 2, 3], max_new_tokens=3, drafter="eagle")
     path = write_head(target, tmp_path / "h")
@@ -550,7 +551,8 @@ def test_cli_generate_and_bench_with_a_head(tiny_model_dir, tmp_path, capsys):  
     import json
 
     import specfast
-    from specfast.eagle.head import EagleConfig, random_head, save_eagle
+    from specfast.drafters.eagle.files import save_eagle
+    from specfast.drafters.eagle.head import EagleConfig, random_head
 
     model = specfast.load_model(str(tiny_model_dir), dtype="float32")
     config = EagleConfig.for_target(model, draft_vocab_size=100, aux_layers=(0, 1, 1))
@@ -585,7 +587,7 @@ def test_cli_generate_and_bench_with_a_head(tiny_model_dir, tmp_path, capsys):  
 @pytest.mark.parametrize("k", [1, 4, "auto"])
 def test_smollm_greedy_with_the_shipped_head_is_plain_greedy(smollm, k):
     import specfast
-    from specfast.eagle.head import DEFAULT_HEAD, WEIGHTS
+    from specfast.drafters.eagle.files import DEFAULT_HEAD, WEIGHTS
     from specfast.generate import render_chat
 
     if not (DEFAULT_HEAD / WEIGHTS).is_file():

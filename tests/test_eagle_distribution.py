@@ -29,7 +29,7 @@ def head2(target2, vd: int, order):
     """A sharp random head (its q varies a lot with its inputs) over `vd` of the 4 tokens.
     A small rope_theta makes it sensitive to positions (so a cache that is not rolled back,
     which shifts them by one, shows)."""
-    from specfast.eagle.head import EagleConfig, random_head
+    from specfast.drafters.eagle.head import EagleConfig, random_head
 
     config = EagleConfig.for_target(
         target2, draft_vocab_size=vd, aux_layers=(0, 1, 2), rope_theta=3.0
@@ -148,7 +148,7 @@ def test_joint_with_the_heads_q_is_exact(target2, permuted_head, partial_head, w
 def test_negative_control_q_before_the_draft_vocabulary_mapping(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.drafters.eagle
+    import specfast.drafters.eagle.draft
 
     def unmapped(self, q, ids):
         # The bug: draft id i's probability put on target id i, as if d2t were all zeros.
@@ -166,7 +166,7 @@ def test_negative_control_q_before_the_draft_vocabulary_mapping(
 def test_negative_control_features_from_the_wrong_layer(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.drafters.eagle
+    import specfast.drafters.eagle.draft
 
     real_init = specfast.drafters.eagle.EagleDraft.__init__
 
@@ -182,7 +182,7 @@ def test_negative_control_features_from_the_wrong_layer(
 def test_negative_control_features_paired_with_the_wrong_position(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.drafters.eagle
+    import specfast.drafters.eagle.draft
 
     def feed_same_position(self, features):
         # The bug: position t's features read with token t instead of token t + 1.
@@ -197,12 +197,12 @@ def test_negative_control_features_paired_with_the_wrong_position(
 def test_negative_control_head_cache_not_rolled_back(
     target2, permuted_head, exact_permuted, monkeypatch
 ):
-    import specfast.drafters.eagle
+    import specfast.drafters.eagle.draft
     from specfast.model.kv_cache import KVCache
 
     class NoRollback(KVCache):
         def rollback(self, length):
             pass  # the bug: last round's drafts stay in the head's cache, positions shift
 
-    monkeypatch.setattr(specfast.drafters.eagle, "KVCache", NoRollback)
+    monkeypatch.setattr(specfast.drafters.eagle.draft, "KVCache", NoRollback)
     assert chi2_pvalue(sample_outcomes(target2, permuted_head), exact_permuted) < ALPHA

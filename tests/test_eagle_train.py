@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from specfast.bench import workloads
-from specfast.eagle import data as ed
-from specfast.eagle import train as et
 from specfast.model import Model, ModelConfig
 from specfast.targets.base import default_aux_layers
+from specfast.train import acceptance, heads, ttt
+from specfast.train import answers as ea
+from specfast.train import data as ed
+from specfast.train import fit as et
 
 
 def tiny_target(seed: int = 0, layers: int = 8) -> Model:
@@ -78,13 +80,13 @@ def test_batched_answers_equal_plain_greedy():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (5, 9, 17, 3)]
     eos = 7
-    outs = ed.batched_greedy(target, prompts, 12, eos_ids=[eos])
+    outs = ea.batched_greedy(target, prompts, 12, eos_ids=[eos])
     for p, out in zip(prompts, outs, strict=True):
         plain = generate(target, p, max_new_tokens=12, drafter=None, eos_token_id=eos)
         assert out == plain.token_ids
     # rows of different lengths keep their own positions: the same prompt at two batch
     # positions next to others gives the batch-of-one text
-    same = ed.batched_greedy(target, [prompts[2], prompts[0], prompts[2]], 12)
+    same = ea.batched_greedy(target, [prompts[2], prompts[0], prompts[2]], 12)
     assert same[0] == same[2] == outs[2] and same[1] == outs[0]
 
 
@@ -98,7 +100,7 @@ def test_features_are_the_residual_stream_entering_the_aux_layers():
     aux = [1, 3, 4]
     feats, normed, top = ed.target_features(target, ids, aux)
     with torch.no_grad():
-        hs = ed.hf_twin(target)(ids[None], output_hidden_states=True).hidden_states
+        hs = ea.hf_twin(target)(ids[None], output_hidden_states=True).hidden_states
     for j, a in enumerate(aux):  # hidden_states[i] enters layer i
         assert torch.allclose(feats[:, 32 * j : 32 * (j + 1)], hs[a][0], atol=1e-5)
     assert not torch.allclose(feats[:, :32], hs[2][0], atol=1e-3)  # wrong layer: differs
@@ -124,12 +126,12 @@ def test_capture_writes_documents_that_read_back(captured):
 
 def test_draft_vocabulary_takes_the_most_frequent_tokens():
     counts = torch.tensor([5, 0, 9, 9, 1, 7])
-    d2t, t2d = et.draft_vocabulary(counts, 3)
+    d2t, t2d = heads.draft_vocabulary(counts, 3)
     ids = torch.arange(3) + d2t
     assert ids.tolist() == [2, 3, 5]
     assert t2d.tolist() == [False, False, True, True, False, True]
     with pytest.raises(ValueError, match="draft vocabulary size"):
-        et.draft_vocabulary(counts, 7)
+        heads.draft_vocabulary(counts, 7)
 
 
 def reference_chain(head, feats, tokens, embed, t: int, steps: int, own=False) -> list:
@@ -173,9 +175,9 @@ def reference_chain(head, feats, tokens, embed, t: int, steps: int, own=False) -
 
 def test_training_time_test_sees_what_drafting_sees():
     target = tiny_target()
-    config = et.head_config(target, 50, [1, 3, 4])
-    d2t, t2d = et.draft_vocabulary(torch.arange(200).flip(0), 50)
-    head = et.init_head(target, config, d2t, t2d, seed=3)
+    config = heads.head_config(target, 50, [1, 3, 4])
+    d2t, t2d = heads.draft_vocabulary(torch.arange(200).flip(0), 50)
+    head = heads.init_head(target, config, d2t, t2d, seed=3)
     with torch.no_grad():  # make every part matter
         for p in head.parameters():
             p.add_(0.3 * torch.randn(p.shape))
@@ -191,7 +193,7 @@ def test_training_time_test_sees_what_drafting_sees():
     with torch.no_grad():
         for s in range(steps):
             idx = (pos + 1 + s).clamp_max(len(ids) - 1)
-            hidden = et.ttt_step(head, ids[idx], hidden, pos + s, keys, values)
+            hidden = ttt.ttt_step(head, ids[idx], hidden, pos + s, keys, values)
             outs.append(head.logits(hidden))
         for t in (0, 4, 9):
             ref = reference_chain(head, feats, ids, embed, t, steps)
@@ -201,7 +203,7 @@ def test_training_time_test_sees_what_drafting_sees():
         keys2, values2, h = [], [], head.fc(feats[:T])
         for s in range(steps):
             idx = (pos + 1 + s).clamp_max(len(ids) - 1)
-            h = et.ttt_step(head, ids[idx], h, pos, keys2, values2)
+            h = ttt.ttt_step(head, ids[idx], h, pos, keys2, values2)
             if s == 2:
                 assert not torch.allclose(head.logits(h)[4], outs[2][4], atol=1e-3)
 
@@ -209,27 +211,27 @@ def test_training_time_test_sees_what_drafting_sees():
 def test_loss_masks_targets_outside_the_draft_vocabulary(captured):
     target, folder, aux = captured
     data = et.Captured(folder)
-    d2t, t2d = et.draft_vocabulary(torch.ones(200), 20)
-    head = et.init_head(target, et.head_config(target, 20, aux), d2t, t2d, seed=0)
+    d2t, t2d = heads.draft_vocabulary(torch.ones(200), 20)
+    head = heads.init_head(target, heads.head_config(target, 20, aux), d2t, t2d, seed=0)
     out_rows = target.output_weight[head.target_ids].float()
     doc = data.get(0)
-    loss, stats = et.ttt_loss(head, doc, target.embed.weight, out_rows, steps=2)
+    loss, stats = ttt.ttt_loss(head, doc, target.embed.weight, out_rows, steps=2)
     assert loss > 0 and stats["positions"] == len(doc["tokens"]) - 1
     head.t2d.zero_()  # nothing in the draft vocabulary: every position masked
-    loss0, _ = et.ttt_loss(head, doc, target.embed.weight, out_rows, steps=2)
+    loss0, _ = ttt.ttt_loss(head, doc, target.embed.weight, out_rows, steps=2)
     assert loss0 == 0
 
 
 def test_chain_drafts_are_what_greedy_drafting_proposes():
     target = tiny_target()
-    d2t, t2d = et.draft_vocabulary(torch.arange(200).flip(0), 50)
-    head = et.init_head(target, et.head_config(target, 50, [1, 3, 4]), d2t, t2d, seed=3)
+    d2t, t2d = heads.draft_vocabulary(torch.arange(200).flip(0), 50)
+    head = heads.init_head(target, heads.head_config(target, 50, [1, 3, 4]), d2t, t2d, seed=3)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.3 * torch.randn(p.shape))
     ids = torch.randint(0, 200, (12,), generator=torch.Generator().manual_seed(4))
     feats, _, _ = ed.target_features(target, ids, [1, 3, 4])
-    drafts = et.chain_drafts(head, feats, ids, target.embed.weight, 3)
+    drafts = acceptance.chain_drafts(head, feats, ids, target.embed.weight, 3)
     with torch.no_grad():
         for t in (0, 5, 10):
             ref = reference_chain(head, feats, ids, target.embed.weight, t, 3, own=True)
@@ -239,12 +241,12 @@ def test_chain_drafts_are_what_greedy_drafting_proposes():
 def test_greedy_acceptance_counts_rounds():
     tokens = list(range(10))
     perfect = torch.tensor([[t + 2 + s for t in range(9)] for s in range(3)])
-    assert et.greedy_acceptance(perfect, tokens, start=3, k=2) == [3, 3, 1]
-    assert et.greedy_acceptance(perfect, tokens, start=3, k=3) == [4, 3]
+    assert acceptance.greedy_acceptance(perfect, tokens, start=3, k=2) == [3, 3, 1]
+    assert acceptance.greedy_acceptance(perfect, tokens, start=3, k=3) == [4, 3]
     wrong = perfect.clone()
     wrong[1] = -1  # the second draft is always wrong: 1 accepted + 1 per round
-    assert et.greedy_acceptance(wrong, tokens, start=3, k=3) == [2, 2, 2, 1]
-    assert sum(et.greedy_acceptance(wrong * 0, tokens, start=3, k=3)) == 7
+    assert acceptance.greedy_acceptance(wrong, tokens, start=3, k=3) == [2, 2, 2, 1]
+    assert sum(acceptance.greedy_acceptance(wrong * 0, tokens, start=3, k=3)) == 7
 
 
 # ---------------------------------------------------------------------------- training
@@ -365,7 +367,7 @@ def test_train_eagle_command_end_to_end(tmp_path):
     assert main(args) == 0
     record = json.loads((out / "data" / "captured" / "done.json").read_text())
     assert record["prompts"] == 6 and 0 < record["corpus_tokens"] <= 400 + 48
-    answers = ed.read_jsonl(out / "data" / "answers.jsonl")
+    answers = ea.read_jsonl(out / "data" / "answers.jsonl")
     assert len(answers) == 6 and all(0 < len(a["answer_ids"]) <= 8 for a in answers)
     config = json.loads((out / "config.json").read_text())
     assert config["draft_vocab_size"] == 40
@@ -381,15 +383,15 @@ def test_train_eagle_command_end_to_end(tmp_path):
 def test_trained_head_drafts_as_the_specfast_head_and_loads_back(captured, tmp_path):
     """The trainer's training-time-test step (its diagonal attention) equals EagleHead.forward
     with the TTT mask, and the saved head loads back through load_eagle."""
-    from specfast.eagle.head import load_eagle
+    from specfast.drafters.eagle.files import load_eagle
 
     target, folder, aux = captured
     et.train(target, folder, tmp_path / "h", tiny_cfg(steps=2, eval_every=2), aux)
     trained = torch.load(tmp_path / "h" / "checkpoint.pt", weights_only=True)["head"]
-    head = et.new_head(json.loads((tmp_path / "h" / "config.json").read_text()))
+    head = heads.new_head(json.loads((tmp_path / "h" / "config.json").read_text()))
     head.load_state_dict(trained)
     head.bind_embedding(target.embed.weight)
-    eagle = et.to_eagle_head(head).bind_embedding(target.embed.weight)
+    eagle = heads.to_eagle_head(head).bind_embedding(target.embed.weight)
     ids = torch.tensor(next(iter(random_docs(1, 200, seed=5)))[1])
     feats, _, _ = ed.target_features(target, ids, aux)
     T, steps = len(ids) - 1, 3
@@ -401,7 +403,7 @@ def test_trained_head_drafts_as_the_specfast_head_and_loads_back(captured, tmp_p
         keys, values, k_prev, v_prev = [], [], None, None
         for s in range(steps):
             tok = ids[(pos + 1 + s).clamp_max(T)]
-            h_ours = et.ttt_step(head, tok, h_ours, pos + s, keys, values)
+            h_ours = ttt.ttt_step(head, tok, h_ours, pos + s, keys, values)
             mask = torch.cat([causal] + [eye] * s, dim=1)  # step 0 causally, the chain diagonally
             h_theirs, logits, k, v = eagle(h_theirs, tok, pos + s, k_prev, v_prev, mask)
             k_prev = k if k_prev is None else torch.cat([k_prev, k], dim=-2)
@@ -454,7 +456,7 @@ def test_training_on_cuda_learns_and_resumes_on_the_cpu(tmp_path):
     target = Model.from_config(tiny_target().config, seed=0, device="cuda")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (5, 9, 17)]
-    for p, out in zip(prompts, ed.batched_greedy(target, prompts, 8), strict=True):
+    for p, out in zip(prompts, ea.batched_greedy(target, prompts, 8), strict=True):
         assert out == generate(target, p, max_new_tokens=8, drafter=None).token_ids
     aux = default_aux_layers(target.config.n_layers)
     ed.capture(target, random_docs(24, 200), tmp_path / "cap", aux, shard_tokens=300)

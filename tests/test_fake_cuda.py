@@ -164,7 +164,7 @@ class FakeCuda:
         return step
 
     def __enter__(self) -> FakeCuda:
-        from specfast.eagle.head import EagleHead
+        from specfast.drafters.eagle.head import EagleHead
 
         real_generator = torch.Generator
         real_tolist = FakeTensor.tolist
@@ -250,7 +250,7 @@ def cuda_model(config: ModelConfig = CONFIG, static: bool = False) -> Model:
 
 
 def cuda_head(target: Model):
-    from specfast.eagle.head import EagleConfig, EagleHead
+    from specfast.drafters.eagle.head import EagleConfig, EagleHead
 
     with torch.device(CUDA):
         head = EagleHead(EagleConfig.for_target(target, draft_vocab_size=50))

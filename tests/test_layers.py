@@ -10,9 +10,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "specfast"
 LAYERS = {"_core": 1, "sampling": 1, "autok": 1, "hardware": 1, "corpus": 1, "targets.base": 1}
 LAYERS |= {"stats": 1, "chat": 1, "streaming": 1, "constraints": 1, "model": 2, "targets": 3}
 LAYERS |= {"settings": 3}
-LAYERS |= {"formats": 3, "drafters": 4, "eagle": 4, "generate": 5, "session": 5, "": 5}
-LAYERS |= {"cli": 6, "serve": 6, "bench": 6, "eagle.data": 6, "eagle.train": 6, "eagle.job": 6}
-LAYERS |= {"eagle.prompts": 6, "__main__": 6, "vllm": 6}
+LAYERS |= {"formats": 3, "drafters": 4, "generate": 5, "session": 5, "": 5}
+LAYERS |= {"cli": 6, "serve": 6, "bench": 6, "train": 6, "__main__": 6, "vllm": 6}
 FILES = {p: p.relative_to(PACKAGE.parent).with_suffix("").parts for p in PACKAGE.rglob("*.py")}
 SOURCES = {".".join(n[:-1] if n[-1] == "__init__" else n): p.read_text() for p, n in FILES.items()}
 
@@ -79,8 +78,8 @@ def test_negative_controls_an_upward_import_and_a_cycle_are_reported():
     up = {"specfast.targets.x": "def f():\n    from specfast.generate import generate\n"}
     want = "specfast.targets.x (layer 3) imports specfast.generate (layer 5)"
     assert problems({**SOURCES, **up}) == [want]
-    a, b = "specfast.eagle.a", "specfast.eagle.b"
-    cycle = {a: f"import {b}", b: "from specfast.eagle import a"}
+    a, b = "specfast.drafters.a", "specfast.drafters.b"
+    cycle = {a: f"import {b}", b: "from specfast.drafters import a"}
     assert problems({**SOURCES, **cycle}) == [f"import cycle through {[a, b]}"]
 
 

@@ -30,9 +30,9 @@ from test_llama_cpp import (  # noqa: E402
 
 import specfast  # noqa: E402
 from specfast.drafters.eagle import EagleDraft  # noqa: E402
-from specfast.formats.gguf import llama_embedding  # noqa: E402
 from specfast.targets.llama_cpp import LayerInputs, LlamaDecoder  # noqa: E402
 from specfast.targets.llama_cpp.state import llama_state  # noqa: E402
+from specfast.targets.llama_cpp.target import llama_embedding  # noqa: E402
 
 PROMPT = [1, 2, 3, 200, 2, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59]
 NEW = 40
@@ -64,7 +64,7 @@ def plain(tiny) -> list[int]:
 def head(torch_target, plain):
     """A float32 head over 200 of the 320 ids, taught the target's greedy text through
     specfast's runtime (features from torch), never through llama.cpp."""
-    from specfast.eagle.head import EagleConfig, random_head
+    from specfast.drafters.eagle.head import EagleConfig, random_head
 
     config = EagleConfig.for_target(torch_target, draft_vocab_size=200, aux_layers=(0, 1, 1))
     head = random_head(config, seed=1)
@@ -263,7 +263,7 @@ def test_feature_layers_past_the_llama_are_refused(tiny):
 
 
 def test_a_head_for_another_hidden_size_is_refused(tiny, torch_target):
-    from specfast.eagle.head import EagleConfig, random_head
+    from specfast.drafters.eagle.head import EagleConfig, random_head
 
     config = EagleConfig.for_target(torch_target, draft_vocab_size=50, aux_layers=(0, 1, 1))
     config.target_hidden_size = 2 * config.target_hidden_size

@@ -172,7 +172,7 @@ def test_fork_continues_independently():
 
 
 def eagle_head(target):
-    from specfast.eagle.head import EagleConfig, random_head
+    from specfast.drafters.eagle.head import EagleConfig, random_head
 
     config = EagleConfig.for_target(target, draft_vocab_size=60, aux_layers=(0, 1, 1))
     return random_head(config, seed=3)  # the tiny target has 2 layers
@@ -251,7 +251,7 @@ def shared_state(a, b) -> list[str]:
     target's pass costs, shared on purpose, are not walked)."""
     import torch
 
-    from specfast.eagle.head import EagleHead, FastLinears
+    from specfast.drafters.eagle.head import EagleHead, FastLinears
     from specfast.model.packing import OutputRows
     from specfast.targets.torch import ModelTarget
 

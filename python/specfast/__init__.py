@@ -2,7 +2,7 @@
 
 from specfast._core import NgramDrafter
 from specfast.drafters.combined import CombinedDrafter
-from specfast.eagle.head import EagleConfig, EagleHead, load_eagle, save_eagle
+from specfast.drafters.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
 from specfast.formats import load_model
 from specfast.generate import generate
 from specfast.model import Model, ModelConfig, ModelDecoder

@@ -1,4 +1,4 @@
-"""`specfast train-eagle`: its arguments and command (the work is in specfast.eagle.train)."""
+"""`specfast train-eagle`: its arguments and command (the work is in specfast.train.fit)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from specfast.cli.common import DTYPE_CHOICES, positive_float, positive_int
-from specfast.eagle.job import train_eagle
-from specfast.eagle.train import TrainConfig
+from specfast.train.fit import TrainConfig
+from specfast.train.job import train_eagle
 
 
 def add_train_eagle(sub) -> None:

@@ -12,9 +12,9 @@ from specfast.drafters.base import Drafter, DraftSetup, NoDraft
 from specfast.drafters.chain import ChainDraft
 from specfast.drafters.combined import CombinedDrafter, NgramOrChain
 from specfast.drafters.eagle import EagleDraft
+from specfast.drafters.eagle.head import EagleHead
 from specfast.drafters.model import DraftModelDrafter
 from specfast.drafters.ngram import IndexDraft
-from specfast.eagle.head import EagleHead
 from specfast.targets import try_target
 
 # The names generate()'s `drafter=` takes, "name" or "name:argument": the class that binds

@@ -28,7 +28,7 @@ The protocol (`Drafter`):
   TypeError where a drafter cannot be copied.
 
 `verified` is the verify pass (`Verified`): its logits and how many rows were kept. A drafter
-that reads the target's hidden states (an EAGLE head, drafters/eagle.py) sets `wants_features` and
+that reads the target's hidden states (an EAGLE head, drafters/eagle/) sets `wants_features` and
 `feature_layers`; the target's passes then also return those layers' inputs (one pass, no
 second forward), and the round hands over the kept rows' features in `Verified.features` and
 the prefilled rows' in `prefill(features)`. Only specfast's own runtime returns them.

@@ -1,5 +1,5 @@
 """Chain drafters: a model that drafts one token per step from its own logits (a draft model,
-drafters/model.py; an EAGLE-3 head, drafters/eagle.py).
+drafters/model.py; an EAGLE-3 head, drafters/eagle/draft.py).
 
 `ChainDraft` holds what both share: the k policy (a fixed k, or AutoK's `choose_draft` with its
 `keep_drafting` stop on the draft's own probabilities), the turn's sampling state, the step

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specfast.model import Model
-from specfast.targets.base import Decoder, EagleFacts, Target
+from specfast.targets.base import Decoder, LayerFacts, Target
 from specfast.targets.hf import HFDecoder, HFTarget, hf_eos_ids, is_hf_model
 from specfast.targets.llama_cpp import (
     LayerInputs,
@@ -137,12 +137,12 @@ class ObjectTarget:
         count = getattr(self.source, "parameter_count", None)
         return int(count()) if callable(count) else 0
 
-    def eagle_facts(self) -> EagleFacts:
-        facts = getattr(self.source, "eagle_facts", None)
+    def layer_facts(self) -> LayerFacts:
+        facts = getattr(self.source, "layer_facts", None)
         if not callable(facts):
             raise TypeError(
                 "the EAGLE target must be a specfast Model or a llama_cpp.Llama (or give "
-                f"eagle_facts()), got {type(self.source).__name__}"
+                f"layer_facts()), got {type(self.source).__name__}"
             )
         return facts()
 

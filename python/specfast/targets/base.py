@@ -68,9 +68,9 @@ class Decoder(Protocol):
 
 
 @dataclass
-class EagleFacts:
-    """What an EAGLE head needs of its target: sizes, the token embedding it shares, and the
-    dtype and device the head runs in."""
+class LayerFacts:
+    """What a drafter that reads the target's hidden states (an EAGLE head) needs of it: sizes,
+    the token embedding it shares, and the dtype and device such a drafter runs in."""
 
     vocab_size: int
     dim: int
@@ -124,9 +124,9 @@ class Target(Protocol):
 
     def decoder(self, max_length: int | None = None) -> Decoder: ...
     def parameter_count(self) -> int: ...
-    def eagle_facts(self) -> EagleFacts:
-        """The facts an EAGLE head needs, or ValueError/TypeError saying why this target
-        cannot feed one."""
+    def layer_facts(self) -> LayerFacts:
+        """Its sizes, embedding, dtype and device for a drafter that reads its hidden states
+        (decoders' `features`), or ValueError/TypeError saying why this target cannot feed one."""
         ...
 
     def describe(self) -> dict[str, str]:

@@ -12,7 +12,7 @@ import torch
 
 from specfast.targets.base import (
     Decoder,
-    EagleFacts,
+    LayerFacts,
     argmax_rows,
     check_ids,
     check_rollback,
@@ -146,7 +146,7 @@ class HFTarget:
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.source.parameters())
 
-    def eagle_facts(self) -> EagleFacts:
+    def layer_facts(self) -> LayerFacts:
         raise ValueError(
             "EAGLE drafting runs on specfast's runtime, which returns the target's hidden states "
             "from the verify pass; the transformers adapter does not. Load the checkpoint folder "

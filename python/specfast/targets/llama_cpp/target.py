@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specfast.targets.base import EagleFacts
+from specfast.targets.base import LayerFacts
 from specfast.targets.llama_cpp.decoder import LlamaDecoder, llama_facts
 from specfast.targets.llama_cpp.features import check_layer_inputs
 from specfast.targets.llama_cpp.state import llama_state
@@ -35,7 +35,7 @@ class LlamaTarget:
 
         return int(llama_cpp.llama_model_n_params(self.source.model))
 
-    def eagle_facts(self) -> EagleFacts:
+    def layer_facts(self) -> LayerFacts:
         """The head runs in torch at dtype "auto" on the CPU, on features llama.cpp returns."""
         import llama_cpp
 
@@ -43,7 +43,7 @@ class LlamaTarget:
 
         llama = self.source
         check_layer_inputs(llama)
-        return EagleFacts(
+        return LayerFacts(
             int(llama.n_vocab()),
             int(llama_cpp.llama_model_n_embd(llama.model)),
             int(llama_cpp.llama_model_n_layer(llama.model)),

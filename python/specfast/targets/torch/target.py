@@ -14,7 +14,7 @@ import torch
 
 from specfast.model import Model, ModelDecoder
 from specfast.model.packing import OutputRows
-from specfast.targets.base import EagleFacts
+from specfast.targets.base import LayerFacts
 
 
 class ModelTarget:
@@ -67,9 +67,9 @@ class ModelTarget:
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def eagle_facts(self) -> EagleFacts:
+    def layer_facts(self) -> LayerFacts:
         m, c = self.model, self.model.config
-        return EagleFacts(
+        return LayerFacts(
             c.vocab_size, c.dim, c.n_layers, m.dtype, m.device, lambda dtype: m.embed.weight
         )
 

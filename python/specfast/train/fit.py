@@ -1,4 +1,4 @@
-"""Training an EAGLE-3 head on data the target made (see eagle/data.py), in SpecForge's layout.
+"""Training an EAGLE-3 head on data the target made (see data.py), in SpecForge's layout.
 
 The recipe is EAGLE-3's "training-time test" as SpecForge implements it: step 0 reads fc(target
 features of position t) with token t+1 and predicts token t+2; step s > 0 reads the previous
@@ -25,116 +25,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from specfast.bench import workloads
-from specfast.eagle.data import target_features
-from specfast.eagle.head import EagleConfig, EagleHead, head_from_tensors, save_eagle
-from specfast.generate import generate
+from specfast.drafters.eagle.head import EagleHead
 from specfast.hardware import cpu_has_native_bf16
-
-# ---------------------------------------------------------------------------- the head
-
-
-def new_head(config: dict) -> EagleHead:
-    """A float32 head to train, from its config.json (`head_config`): the drafter's class, so
-    what is trained is what drafts."""
-    return EagleHead(EagleConfig.from_dict(config))
-
-
-def ttt_step(head: EagleHead, tokens, hidden, positions, keys: list, values: list) -> torch.Tensor:
-    """One training-time-test step of the head's layer over T positions -> out_hidden (T, H).
-    tokens (T,) are read through the bound embedding; positions (T,) are the RoPE positions.
-    Appends this step's keys and values (Hkv, T, hd) to `keys`/`values`: keys[0] is step 0
-    (causal over positions), keys[j > 0] the chain's step j at the same position (a diagonal),
-    which is what drafting sees, without a (T, (s + 1)·T) mask."""
-    cos_t, sin_t = head.rope(int(positions.max()) + 1)
-    cos, sin = cos_t[positions].unsqueeze(-2), sin_t[positions].unsqueeze(-2)  # (T, 1, hd)
-    T = hidden.shape[0]
-
-    def attend(q, k, v):  # q (Hkv, g*T, hd), k and v (Hkv, T, hd)
-        keys.append(k)
-        values.append(v)
-        Hkv, _, hd = q.shape
-        qg = q.view(Hkv, -1, T, hd)  # (Hkv, g, T, hd): query head kv*g + i reads kv head kv
-        scale = 1.0 / math.sqrt(hd)
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril_()
-        scores = (qg @ keys[0].unsqueeze(1).transpose(-1, -2)).float() * scale  # (Hkv, g, T, T)
-        scores = scores.masked_fill(~causal, float("-inf"))
-        diag = [(qg * kj.unsqueeze(1)).sum(-1, keepdim=True).float() * scale for kj in keys[1:]]
-        w = torch.cat([scores, *diag], dim=-1).softmax(dim=-1).to(q.dtype)
-        y = w[..., :T] @ values[0].unsqueeze(1)  # (Hkv, g, T, hd)
-        for j, vj in enumerate(values[1:]):
-            y = y + w[..., T + j : T + j + 1] * vj.unsqueeze(1)
-        return y.reshape(Hkv, -1, hd)
-
-    return head.layer(hidden, tokens, cos, sin, attend)
-
-
-def head_config(target, draft_vocab_size: int, aux_layers) -> dict:
-    """config.json of a head for `target` (a specfast Model), SpecForge/vLLM keys."""
-    c = target.config
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": c.dim,
-        "target_hidden_size": c.dim,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
-        "intermediate_size": c.intermediate_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_context,
-        "vocab_size": c.vocab_size,
-        "draft_vocab_size": draft_vocab_size,
-        "num_hidden_layers": 1,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)},
-    }
-
-
-def draft_vocabulary(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `size` most frequent ids of `counts` (V,) -> (d2t (size,) int64, t2d (V,) bool),
-    draft ids in increasing target id (ties broken by the lower id)."""
-    if not 0 < size <= counts.numel():
-        raise ValueError(f"draft vocabulary size must be in [1, {counts.numel()}], got {size}")
-    # stable sort on -count: equal counts keep increasing id order, so the choice is unique
-    order = torch.sort(-counts.to(torch.int64), stable=True).indices[:size]
-    ids = order.sort().values
-    t2d = torch.zeros(counts.numel(), dtype=torch.bool)
-    t2d[ids] = True
-    return ids - torch.arange(size), t2d
-
-
-def init_head(target, config: dict, d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> EagleHead:
-    """A head ready to train: N(0, 0.02) matrices, unit norms; then lm_head copied from the
-    target's output rows of the draft vocabulary and norm from a tenth of its final norm (the
-    output space starts where the target's is, at a soft scale). Measured on SmolLM2: with the
-    full norm gain, or with fc passing the last aux feature through, the head started
-    confidently wrong (loss above a uniform guess's) and took many steps to unlearn it."""
-    torch.manual_seed(seed)
-    head = new_head(config)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-        head.d2t.copy_(d2t)
-        head.t2d.copy_(t2d)
-        head.lm_head.weight.copy_(target.output_weight[head.target_ids].float())
-        # A tenth of the target's final norm gain: the copied output rows give logits at a
-        # tenth of the target's scale, a soft start (full scale started confidently wrong).
-        head.norm.weight.copy_(0.1 * target.norm.float())
-    return head
-
+from specfast.train.heads import draft_vocabulary, head_config, init_head, new_head, save_head
+from specfast.train.ttt import merge_stats, summary, ttt_loss
 
 # ---------------------------------------------------------------------------- captured data
 
 
 class Captured:
-    """Documents captured by eagle.data.capture, read lazily from their shards."""
+    """Documents captured by train.data.capture, read lazily from their shards."""
 
     def __init__(self, folder: Path):
         from safetensors import safe_open
@@ -163,169 +64,6 @@ class Captured:
             t = self.get(i)["tokens"].long()
             counts += torch.bincount(t, minlength=vocab_size)[:vocab_size]
         return counts
-
-
-# ---------------------------------------------------------------------------- one document
-
-
-def ttt_loss(
-    head: EagleHead,
-    doc: dict[str, torch.Tensor],
-    embed: torch.Tensor,
-    out_rows: torch.Tensor,
-    steps: int,
-    decay: float = 0.8,
-) -> tuple[torch.Tensor, dict]:
-    """The training-time-test loss of one document of N positions, and its counts.
-
-    doc: tokens (N,), features (N, 3Ht), normed (N, Ht), argmax (N,) from the target.
-    embed (V, H) is the target's embedding, out_rows (Vd, Ht) its output rows of the draft
-    vocabulary. Position t in [0, N-1) at step s feeds token t+1+s and is scored against the
-    target's distribution at position t+1+s (which predicts token t+2+s).
-    """
-    tokens = doc["tokens"].long()
-    N = tokens.shape[0]
-    T = N - 1
-    dtype = head.fc.weight.dtype
-    with torch.no_grad():
-        p_target = (doc["normed"].float() @ out_rows.float().T).softmax(dim=-1)  # (N, Vd)
-        top = doc["argmax"].long()
-        in_draft = head.t2d[top]  # (N,) SpecForge's mask: target argmax in the draft vocab
-    head.bind_embedding(embed)
-    hidden = head.fc(doc["features"].to(dtype)[:T])  # (T, H)
-    pos = torch.arange(T, device=tokens.device)
-    keys: list = []
-    values: list = []
-    total = torch.zeros((), device=tokens.device)
-    agree = []
-    for s in range(steps):
-        idx = (pos + 1 + s).clamp_max(N - 1)
-        valid = pos + 1 + s <= N - 1
-        hidden = ttt_step(head, tokens[idx], hidden, pos + s, keys, values)
-        logp = head.logits(hidden).float().log_softmax(dim=-1)  # (T, Vd)
-        mask = (valid & in_draft[idx]).float()
-        total = total + decay**s * -(mask * (p_target[idx] * logp).sum(-1)).sum() / T
-        with torch.no_grad():
-            drafted = head.target_ids[logp.argmax(dim=-1)]
-            agree.append((drafted == top[idx]) & valid)
-    with torch.no_grad():
-        full = pos + steps <= N - 1  # positions every step can score
-        run = torch.stack(agree).long().cumprod(dim=0)  # (S, T): still accepted after step s
-        stats = {
-            "positions": T,
-            "agree": [int(a.sum()) for a in agree],
-            "valid": [int((pos + 1 + s <= N - 1).sum()) for s in range(steps)],
-            "chain": int(run[:, full].sum()),
-            "chain_positions": int(full.sum()),
-        }
-    return total, stats
-
-
-def merge_stats(acc: dict | None, s: dict) -> dict:
-    if acc is None:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in s.items()}
-    for k, v in s.items():
-        acc[k] = (
-            [a + b for a, b in zip(acc[k], v, strict=True)] if isinstance(v, list) else acc[k] + v
-        )
-    return acc
-
-
-def summary(stats: dict) -> dict:
-    """acc per step (top-1 agreement with the target) and tau: 1 + the mean run of agreeing
-    steps from step 0, an estimate of the mean acceptance length at k = steps (greedy)."""
-    acc = [a / max(v, 1) for a, v in zip(stats["agree"], stats["valid"], strict=True)]
-    tau = 1 + stats["chain"] / max(stats["chain_positions"], 1)
-    return {"acc": [round(a, 4) for a in acc], "tau": round(tau, 4)}
-
-
-# ---------------------------------------------------------------------------- greedy acceptance
-
-
-def chain_drafts(head: EagleHead, features, tokens, embed, steps: int) -> torch.Tensor:
-    """What greedy chain drafting proposes from every position at once -> (steps, T) target
-    ids, T = N - 1: row s, column t is the (s+1)-th draft of a round whose step 0 reads the
-    target's features of position t with token t+1. Later steps feed the head's own drafts, as
-    drafting does (the same attention as training-time test, own tokens instead of the text's)."""
-    tokens = tokens.long().to(features.device)
-    T = tokens.shape[0] - 1
-    pos = torch.arange(T, device=features.device)
-    dtype = head.fc.weight.dtype
-    head.bind_embedding(embed)
-    with torch.no_grad():
-        hidden = head.fc(features[:T].to(dtype))
-        keys: list = []
-        values: list = []
-        tok, out = tokens[1:], []
-        for s in range(steps):
-            hidden = ttt_step(head, tok, hidden, pos + s, keys, values)
-            tok = head.target_ids[head.logits(hidden).argmax(dim=-1)]
-            out.append(tok)
-    return torch.stack(out)
-
-
-def greedy_acceptance(drafts: torch.Tensor, tokens, start: int, k: int) -> list[int]:
-    """Rounds of greedy chain drafting over `tokens` (the target's own greedy text) from the
-    round whose first draft is token `start` -> tokens emitted per round (accepted + 1).
-    A round at t (step 0 reads position t) drafts tokens t+2..; the next round starts one past
-    the target's own token."""
-    tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
-    d = drafts.tolist()
-    rounds, t, N = [], start - 2, len(tokens)
-    while t + 2 < N:
-        a = 0
-        while a < min(k, len(d)) and t + 2 + a < N and d[a][t] == tokens[t + 2 + a]:
-            a += 1
-        emitted = min(a + 1, N - (t + 2))
-        rounds.append(emitted)
-        t += emitted
-    return rounds
-
-
-def held_out_acceptance(
-    target,
-    heads: dict,
-    kinds=("open", "complete"),
-    k_values=(1, 2, 3, 4, 5, 6),
-    max_new_tokens: int = 128,
-    per_kind: int = 16,
-) -> dict:
-    """Mean acceptance length of greedy chain drafting at each k, for each head of `heads`
-    ({name: EagleHead}), on the benchmark's own prompts (specfast.bench.workloads, none trained on).
-
-    The target generates each answer once, plainly (EOS ignored, as the benchmark does); one
-    forward reads its features; then every round is replayed per head (chain_drafts,
-    greedy_acceptance). Greedy output does not depend on the drafter, so this is the
-    mean_acceptance_length generate() reports at that k, up to float noise at near-ties.
-    -> {name: {kind: {k: tau}}}."""
-    first = next(iter(heads.values()))
-    aux = first.config.aux_layers
-    embed = target.embed.weight.detach().float()
-    rounds: dict = {n: {kind: {k: [] for k in k_values} for kind in kinds} for n in heads}
-    for kind in kinds:
-        for w in workloads.build_workloads([kind], per_kind):
-            prompt = target.tokenizer.encode(w.render(target.chat_template)).ids
-            out = generate(target, prompt, max_new_tokens, drafter=None, ignore_eos=True)
-            ids = torch.tensor(prompt + out.token_ids, device=target.device)
-            feats = target_features(target, ids, aux)[0].float()
-            for name, head in heads.items():
-                drafts = chain_drafts(head, feats, ids, embed, max(k_values))
-                for k in k_values:
-                    rounds[name][kind][k] += greedy_acceptance(drafts, ids, len(prompt) + 1, k)
-    return {
-        n: {kind: {k: round(sum(r) / len(r), 3) for k, r in ks.items()} for kind, ks in kd.items()}
-        for n, kd in rounds.items()
-    }
-
-
-def load_train_head(folder: Path) -> EagleHead:
-    """A saved head (config.json + model.safetensors) in float32, to train or evaluate."""
-    from safetensors.torch import load_file
-
-    head = new_head(json.loads((Path(folder) / "config.json").read_text()))
-    tensors = load_file(str(Path(folder) / "model.safetensors"))
-    head.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items()})
-    return head.float()
 
 
 # ---------------------------------------------------------------------------- training
@@ -600,19 +338,3 @@ class _progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
-
-
-# ---------------------------------------------------------------------------- saving
-
-
-def to_eagle_head(head: EagleHead) -> EagleHead:
-    """A frozen copy of the trained head, checked by the loader's rules (shapes, d2t in range,
-    t2d marking the same ids)."""
-    tensors = {k: v.detach().cpu() for k, v in head.state_dict().items()}
-    return head_from_tensors(head.config, tensors)
-
-
-def save_head(head: EagleHead, folder: Path) -> None:
-    """config.json + model.safetensors through specfast.eagle.head.save_eagle: SpecForge's names,
-    matrices and norms in bf16, d2t int64, t2d bool, no embedding (shared with the target)."""
-    save_eagle(to_eagle_head(head), folder, dtype="bfloat16")

@@ -1,5 +1,5 @@
 """The whole EAGLE-3 training job behind `specfast train-eagle`: make the data (answers and
-captured features, eagle/data.py), train (eagle/train.py), save the head and a record."""
+captured features: data.py, answers.py), train (fit.py), save the head and a record."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from specfast.eagle import data as ed
-from specfast.eagle.head import EagleHead
-from specfast.eagle.train import TrainConfig, train
+from specfast.drafters.eagle.head import EagleHead
 from specfast.formats import load_model
 from specfast.targets.base import default_aux_layers
+from specfast.train import answers as ea
+from specfast.train import data as ed
+from specfast.train.fit import TrainConfig, train
 
 
 def _capped(docs, max_tokens: int):
@@ -48,7 +49,7 @@ def make_data(
     t0 = time.perf_counter()
     prompts = ed.training_prompts(target.chat_template, seed=seed, scale=prompt_scale)
     prompts = prompts[:max_prompts]
-    records = ed.answer_prompts(
+    records = ea.answer_prompts(
         target, prompts, data_dir / "answers.jsonl", max_new_tokens, batch_size, "batched", log
     )
     t_answers = time.perf_counter() - t0

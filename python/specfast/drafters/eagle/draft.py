@@ -11,16 +11,16 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-import specfast.eagle.head as eagle_head
+import specfast.drafters.eagle.files as eagle_files
 from specfast.drafters.base import DraftSetup, Verified
 from specfast.drafters.chain import ChainDraft
-from specfast.eagle.head import (
-    EagleHead,
+from specfast.drafters.eagle.files import (
     check_config_for_target,
     eagle_target,
     load_eagle,
     target_embedding,
 )
+from specfast.drafters.eagle.head import EagleHead
 from specfast.model.kv_cache import KVCache
 from specfast.targets.base import Target, to_device
 
@@ -214,10 +214,11 @@ def load_head(drafter, target: Target) -> EagleHead:
     if not isinstance(drafter, str):
         return drafter
     path = drafter.partition(":")[2] or None
-    if path is None and not eagle_head.DEFAULT_HEAD.is_dir():
+    if path is None and not eagle_files.DEFAULT_HEAD.is_dir():
         raise ValueError(
-            f'drafter="eagle" uses the head shipped for SmolLM2-135M-Instruct at '
-            f"{eagle_head.DEFAULT_HEAD}, which is not there; pass a head from "
-            "specfast.load_eagle(path, model) or drafter='eagle:PATH'"
+            f'drafter="eagle" uses the head for SmolLM2-135M-Instruct at '
+            f"{eagle_files.DEFAULT_HEAD}, which is not there (it is in specfast's source tree, "
+            "not its wheel); pass a head folder as drafter='eagle:PATH', or a head from "
+            "specfast.load_eagle(path, model)"
         )
     return load_eagle(path, target)

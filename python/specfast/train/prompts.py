@@ -1,4 +1,4 @@
-"""The hand-written material of EAGLE-3 training prompts (eagle/data.py): the stdlib modules
+"""The hand-written material of EAGLE-3 training prompts (data.py): the stdlib modules
 code is drawn from, chat questions, and the tasks asked of code and of verse. None of it is in
 the benchmark's held-out split (tests/test_eagle_train.py checks that)."""
 
