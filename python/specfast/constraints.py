@@ -83,6 +83,16 @@ def check_response_format(
     return Grammar(text, ll_tokenizer, vocab_size, frozenset(eos_ids))
 
 
+def is_special(text: str, tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> bool:
+    """True when `text` is one token that llguidance holds special (a chat format's tag, as
+    Qwen's <tool_call>): a regex over free text never matches it, so a grammar whose free text
+    ends at it must name it <text>, not "text"."""
+    ll = _llguidance()
+    ll_tokenizer = _ll_tokenizer(ll, tokenizer, vocab_size, eos_ids)
+    ids = ll_tokenizer.tokenize_str(text)
+    return len(ids) == 1 and ll_tokenizer.is_special_token(ids[0])
+
+
 def _llguidance() -> ModuleType:
     try:
         import llguidance

@@ -32,7 +32,6 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from specfast.chat import render_chat
 from specfast.constraints import check_response_format
 from specfast.serve.pool import Pool
 from specfast.serve.protocol import (
@@ -44,6 +43,8 @@ from specfast.serve.protocol import (
     parse_request,
     usage_chunk,
 )
+from specfast.serve.tool_calls import CallStream, reply
+from specfast.serve.tools import ToolsError, constrain, render
 from specfast.settings import encode_text
 from specfast.targets import as_target
 from specfast.targets.base import common_prefix
@@ -109,7 +110,7 @@ class Server:
     def prompt_ids(self, req: Request) -> list[int]:
         """The request's rendered prompt, as generate() renders it for the same input."""
         if req.kind == "chat":
-            text = render_chat(req.prompt, self.target.chat_template)
+            text = render(req.prompt, req.tools, self.target.chat_template)
             ids = encode_text(self.tokenizer, text)
         elif isinstance(req.prompt, str):
             ids = encode_text(self.tokenizer, req.prompt)
@@ -124,14 +125,15 @@ class Server:
         return ids
 
     def check_format(self, req: Request) -> None:
-        """A 400 naming response_format when its schema does not compile for this model."""
-        if req.response_format is None:
-            return
+        """A 400 naming response_format (tools) when its grammar does not compile for this
+        model. A request whose tools may be called gets their grammar here (tools.py)."""
         eos = set(self.target.eos_token_ids)
         try:
-            check_response_format(req.response_format, self.tokenizer, self.vocab_size, eos)
+            constrain(req, self.tokenizer, self.vocab_size, eos)
+            if req.response_format is not None:
+                check_response_format(req.response_format, self.tokenizer, self.vocab_size, eos)
         except (TypeError, ValueError) as e:
-            raise BadRequest(str(e), "response_format") from None
+            raise BadRequest(str(e), "tools" if req.tools else "response_format") from None
 
     def budget(self, req: Request, n_prompt: int) -> int:
         """max_new_tokens for the request; a 400 when the prompt and max_tokens do not fit."""
@@ -280,7 +282,7 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def error(e: BadRequest) -> JSONResponse:
+def error(e: BadRequest | ToolsError) -> JSONResponse:
     kind = "rate_limit_exceeded" if e.status == 429 else "invalid_request_error"
     return JSONResponse(error_body(str(e), e.param, kind), status_code=e.status)
 
@@ -301,7 +303,7 @@ def build_app(server: Server) -> Starlette:
             server.check_format(req)
             job = Job(req, ids, server.budget(req, len(ids)), asyncio.get_running_loop())
             server.submit(job)
-        except BadRequest as e:
+        except (BadRequest, ToolsError) as e:
             return error(e)
         if req.stream:
             return EventStream(stream(job), job)
@@ -312,28 +314,25 @@ def build_app(server: Server) -> Starlette:
             return error(BadRequest("the request was cancelled", status=503))
         text = cut_at_stop(value.text or "", req.stop)
         n_new = len(value.token_ids)
-        return JSONResponse(
-            completion(req, text, value.finish_reason, len(ids), n_new, value.stats)
-        )
+        body = completion(req, text, value.finish_reason, len(ids), n_new, value.stats)
+        return JSONResponse(reply(req, body, text, value.finish_reason))
 
     async def stream(job: Job):
         req = job.req
-        hold = StopHold(req.stop)
+        hold, out = StopHold(req.stop), CallStream(req, chunk)  # text, or tool-call deltas
         try:
             yield sse(chunk(req, first=True))
             while True:
                 kind, value = await job.events.get()
                 if kind == "text":
-                    text = hold.add(value)
-                    if text:
-                        yield sse(chunk(req, text))
+                    for c in out.chunks(hold.add(value)):
+                        yield sse(c)
                     continue
                 if kind == "done":
                     text = hold.rest(cut_at_stop(value.text or "", req.stop))
-                    if text:
-                        yield sse(chunk(req, text))
-                    last = chunk(req, finish=value.finish_reason)
-                    yield sse(last)
+                    for c in out.chunks(text, end=True):
+                        yield sse(c)
+                    yield sse(out.last(value.finish_reason))
                     if req.include_usage:
                         n = len(value.token_ids)
                         yield sse(usage_chunk(req, len(job.ids), n, value.stats))

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from specfast.serve.tools import Tools, check_message, with_tools
 from specfast.settings import MAX_SPECULATIVE_TOKENS
 
 DRAFTERS = ("ngram", "none")
@@ -27,11 +28,9 @@ COMMON_FIELDS = {
     "frequency_penalty", "presence_penalty", "logprobs", "logit_bias",
 }  # fmt: skip
 CHAT_FIELDS = COMMON_FIELDS | {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "response_format",
-}
+    "messages", "max_completion_tokens", "top_logprobs", "response_format",
+    "tools", "tool_choice", "parallel_tool_calls",  # serve/tools.py
+}  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 # Fields clients send by default; their "off" value changes nothing, anything else would.
 IGNORED_AT_DEFAULT = {
@@ -43,7 +42,7 @@ IGNORED_AT_DEFAULT = {
     "echo": (False, None),
     "best_of": (1, None),
 }
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class BadRequest(Exception):
@@ -75,6 +74,7 @@ class Request:
     drafter: str = "ngram"
     k: int | str = "auto"
     response_format: dict | None = None  # json_object or json_schema; None: free text
+    tools: Tools | None = None  # serve/tools.py: the tools, tool_choice, parallel_tool_calls
     id: str = ""
     created: int = 0
 
@@ -112,7 +112,7 @@ def parse_request(body: Any, kind: str, model_id: str, defaults: dict[str, Any])
     n = body.get("n", 1)
     if isinstance(n, bool) or (n is not None and n != 1):
         raise BadRequest(f"n must be 1 (one choice per request), got {n!r}", "n")
-    return Request(
+    req = Request(
         kind=kind,
         model=model,
         prompt=prompt,
@@ -129,6 +129,7 @@ def parse_request(body: Any, kind: str, model_id: str, defaults: dict[str, Any])
         id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
         created=int(time.time()),
     )
+    return with_tools(req, body) if kind == "chat" else req
 
 
 def _response_format(body: dict) -> dict | None:
@@ -174,7 +175,10 @@ def _messages(body: dict) -> list[dict]:
             raise BadRequest(
                 f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role"
             )
-        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
+        content = m.get("content")  # an assistant's tool calls may come without text
+        if content is not None or role != "assistant" or not m.get("tool_calls"):
+            content = _content(content, f"{where}.content")
+        out.append(check_message(m, role, content, where))
     return out
 
 
