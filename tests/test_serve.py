@@ -460,7 +460,7 @@ def test_a_damaged_corpus_is_refused_and_left_as_it_was(tmp_path, smollm, monkey
         load_corpus(str(path), smollm, reset=False)
     assert load_corpus(str(path), smollm, reset=True).corpus_tokens == 0
     # The command refuses to start, says why, and leaves the file alone.
-    monkeypatch.setattr(specfast, "load_model", lambda *a, **kw: smollm)
+    monkeypatch.setattr(specfast.cli.serve, "load_model", lambda *a, **kw: smollm)
     assert main(["serve", "--corpus", str(path), "--port", str(free_port())]) == 1
     err = capsys.readouterr().err
     assert "cannot load the corpus" in err and "--corpus-reset" in err

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-import specfast
 from specfast.bench.engines import (
     Combined,
     Engine,
@@ -58,6 +57,8 @@ from specfast.bench.report import (
     write_json,
 )
 from specfast.bench.workloads import build_workloads, read_prompts
+from specfast.drafters.eagle.files import load_eagle
+from specfast.formats import load_model
 from specfast.model.config import resolve_dtype
 from specfast.targets import LlamaTokenizer, as_target, llama_eos_ids
 
@@ -183,13 +184,13 @@ def bench_main(args: Any, model_path: Path, argv: Sequence[str]) -> int:
             compile=args.compile,
             weights=opts.get("weights", "auto"),
         )
-        sf_model = specfast.load_model(str(model_path), **load)
+        sf_model = load_model(str(model_path), **load)
         if any(e.startswith("specfast-eagle") for e in engines_wanted):
-            sf_eagle = specfast.load_eagle(opts.get("eagle"), sf_model)
+            sf_eagle = load_eagle(opts.get("eagle"), sf_model)
         if args.draft:
-            sf_draft = specfast.load_model(str(args.draft), **load)
+            sf_draft = load_model(str(args.draft), **load)
         if args.draft and "specfast-draft-int8" in engines_wanted:
-            sf_draft_int8 = specfast.load_model(
+            sf_draft_int8 = load_model(
                 str(args.draft), device=args.device, dtype=args.dtype
             ).quantize_int8()
     if hf_needed:

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-import specfast
 from specfast.drafters.combined import CombinedDrafter
+from specfast.generate import generate as specfast_generate
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt lookup
 
@@ -54,7 +54,7 @@ def specfast_engine(
 ) -> Engine:
     """specfast.generate, greedy, as an engine. `generate` is injectable for tests."""
     if generate is None:
-        generate = specfast.generate
+        generate = specfast_generate
 
     def run(ids: list[int]) -> EngineOutput:
         if isinstance(drafter, Combined):

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import specfast
 from specfast.bench.engines import EngineOutput, specfast_engine
+from specfast.drafters.eagle.files import load_eagle
 from specfast.targets import LayerInputs, check_llama_build, llama_threads, tile_restorer
 
 LLAMA_ENGINES = (
@@ -132,7 +132,7 @@ def build_llama_engines(
         elif e == "specfast-llama-ngram":
             engines[e] = specfast_engine(llamas["target"], drafter="ngram", k=k, max_new_tokens=n)
         elif e == "specfast-llama-eagle":
-            head = specfast.load_eagle(eagle, llamas["target"])
+            head = load_eagle(eagle, llamas["target"])
             run = specfast_engine(llamas["target"], drafter=head, k=k, max_new_tokens=n)
             engines[e] = _then_plain_graph(run, llamas["target"])
         elif e == "specfast-llama-draft":

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-import specfast
+from specfast import __version__
 from specfast.autok import measured_pass_costs
 from specfast.bench.llama import LLAMA_ALL
 from specfast.hardware import cpu_flags_label
@@ -278,7 +278,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         info["transformers"] = transformers.__version__
     except ImportError:
         info["transformers"] = None
-    info["specfast"] = specfast.__version__
+    info["specfast"] = __version__
     return info
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import specfast
+from specfast._core import NgramDrafter
 from specfast.bench import (
     DEFAULT_ENGINES,
     DEFAULT_LLAMA_ENGINES,
@@ -39,7 +39,11 @@ from specfast.cli.common import (
 from specfast.cli.parser import build_parser
 from specfast.cli.serve import cmd_serve
 from specfast.cli.train_eagle import cmd_train_eagle
-from specfast.session import corpus_fingerprint
+from specfast.drafters.combined import CombinedDrafter
+from specfast.drafters.eagle.files import load_eagle
+from specfast.formats import load_model
+from specfast.generate import generate
+from specfast.session import Session, corpus_fingerprint
 
 # ---------------------------------------------------------------------------- generate
 
@@ -132,31 +136,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
         fingerprint = corpus_fingerprint(model)
         exists = Path(args.corpus).exists()
         drafter: Any = (
-            specfast.NgramDrafter.load(args.corpus, fingerprint=fingerprint)
-            if exists
-            else specfast.NgramDrafter()
+            NgramDrafter.load(args.corpus, fingerprint=fingerprint) if exists else NgramDrafter()
         )
     elif args.drafter == "ngram":
         drafter = "ngram"
     elif args.drafter == "none":
         drafter = None
     elif args.drafter.removeprefix("ngram+").partition(":")[0] == "eagle":
-        head = specfast.load_eagle(args.drafter.partition(":")[2] or None, model)
+        head = load_eagle(args.drafter.partition(":")[2] or None, model)
         combined = args.drafter.startswith("ngram+")
-        drafter = specfast.CombinedDrafter(head) if combined else head
+        drafter = CombinedDrafter(head) if combined else head
     else:
         combined = args.drafter.startswith("ngram+")
         path = args.drafter.removeprefix("ngram+")
-        drafter = specfast.load_model(
+        drafter = load_model(
             str(resolve_model(path)), device=args.device, dtype=args.dtype, compile=args.compile
         )
         if args.draft_int8:
             drafter.quantize_int8()
         if combined:
-            drafter = specfast.CombinedDrafter(drafter)
+            drafter = CombinedDrafter(drafter)
 
     streamer = _TextStreamer(model.tokenizer, ids)
-    out = specfast.generate(
+    out = generate(
         model,
         ids,
         max_new_tokens=args.max_new_tokens,
@@ -186,10 +188,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)
     check_device(args.device)
-    model = specfast.load_model(
-        str(model_path), device=args.device, dtype=args.dtype, weights=args.weights
-    )
-    session = specfast.Session(
+    model = load_model(str(model_path), device=args.device, dtype=args.dtype, weights=args.weights)
+    session = Session(
         model,
         drafter=None if args.drafter == "none" else "ngram",
         system=args.system,

