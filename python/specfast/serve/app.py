@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from specfast.chat import render_chat
 from specfast.constraints import check_response_format
+from specfast.serve.logprobs import Logprobs, Relay, options, whole
 from specfast.serve.pool import Pool
 from specfast.serve.protocol import (
     BadRequest,
@@ -190,6 +191,7 @@ class Server:
                 stop_strings=req.stop or None,
                 streamer=self.streamer(job) if req.stream else None,
                 response_format=req.response_format,
+                **options(req.logprobs),
             )
         except Disconnected:
             self.cancelled += 1
@@ -214,7 +216,7 @@ class Server:
             if text:
                 job.put("text", text)
 
-        return put
+        return put if job.req.logprobs is None else Relay(put, job)
 
     def shutdown(self) -> None:
         """Stops what runs, waits for the worker, then writes the corpus."""
@@ -312,26 +314,30 @@ def build_app(server: Server) -> Starlette:
             return error(BadRequest("the request was cancelled", status=503))
         text = cut_at_stop(value.text or "", req.stop)
         n_new = len(value.token_ids)
+        logprobs = whole(req, server.target, value, text)
         return JSONResponse(
-            completion(req, text, value.finish_reason, len(ids), n_new, value.stats)
+            completion(req, text, value.finish_reason, len(ids), n_new, value.stats, logprobs)
         )
 
     async def stream(job: Job):
         req = job.req
-        hold = StopHold(req.stop)
+        hold, logprobs = StopHold(req.stop), Logprobs(req.kind, req.logprobs, server.target)
         try:
             yield sse(chunk(req, first=True))
             while True:
                 kind, value = await job.events.get()
+                if kind == "logprobs":
+                    logprobs.add(*value)
+                    continue
                 if kind == "text":
                     text = hold.add(value)
                     if text:
-                        yield sse(chunk(req, text))
+                        yield sse(chunk(req, text, logprobs=logprobs.take(hold.sent)))
                     continue
                 if kind == "done":
                     text = hold.rest(cut_at_stop(value.text or "", req.stop))
                     if text:
-                        yield sse(chunk(req, text))
+                        yield sse(chunk(req, text, logprobs=logprobs.take(hold.sent)))
                     last = chunk(req, finish=value.finish_reason)
                     yield sse(last)
                     if req.include_usage:

@@ -1,7 +1,7 @@
 """OpenAI's wire format: checking a request body, and the shapes of responses and errors.
 
 Only what the server implements is accepted. A field it does not know, or one it knows but
-cannot honour (n > 1, logprobs, penalties), is a 400 that names the field, as OpenAI's own API
+cannot honour (n > 1, penalties), is a 400 that names the field, as OpenAI's own API
 answers "Unrecognized request argument supplied"; silently ignoring it would return text the
 client did not ask for. The check runs on the event loop, before a request is queued, so bad
 input never reaches the worker thread or a Session.
@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from specfast.serve.logprobs import requested
 from specfast.settings import MAX_SPECULATIVE_TOKENS
 
 DRAFTERS = ("ngram", "none")
@@ -37,8 +38,6 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 IGNORED_AT_DEFAULT = {
     "frequency_penalty": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
-    "logprobs": (False, None, 0),
-    "top_logprobs": (None, 0),
     "logit_bias": (None,),
     "echo": (False, None),
     "best_of": (1, None),
@@ -75,6 +74,7 @@ class Request:
     drafter: str = "ngram"
     k: int | str = "auto"
     response_format: dict | None = None  # json_object or json_schema; None: free text
+    logprobs: int | None = None  # alternatives per token (serve/logprobs.py); None: off
     id: str = ""
     created: int = 0
 
@@ -126,6 +126,7 @@ def parse_request(body: Any, kind: str, model_id: str, defaults: dict[str, Any])
         drafter=_drafter(body, defaults["drafter"]),
         k=_k(body, defaults["k"]),
         response_format=_response_format(body),
+        logprobs=requested(body, kind),
         id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
         created=int(time.time()),
     )
@@ -350,17 +351,19 @@ def _head(req: Request, chunk: bool) -> dict[str, Any]:
     return {"id": req.id, "object": obj, "created": req.created, "model": req.model}
 
 
-def completion(req: Request, text: str, finish: str, n_prompt: int, n_new: int, stats) -> dict:
+def completion(
+    req: Request, text: str, finish: str, n_prompt: int, n_new: int, stats, logprobs=None
+) -> dict:
     """The whole response of a request that did not stream."""
     if req.kind == "chat":
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": FINISH[finish],
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH[finish]}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": FINISH[finish]}
     return {
         **_head(req, False),
         "choices": [choice],
@@ -369,16 +372,18 @@ def completion(req: Request, text: str, finish: str, n_prompt: int, n_new: int, 
     }
 
 
-def chunk(req: Request, text: str | None = None, finish: str | None = None, first=False) -> dict:
-    """One streamed chunk: a text delta, or the last one with its finish reason."""
+def chunk(
+    req: Request, text: str | None = None, finish: str | None = None, first=False, logprobs=None
+) -> dict:
+    """One streamed chunk: a text delta (with its tokens' logprobs), or the last one."""
     reason = FINISH[finish] if finish else None
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
     return {**_head(req, True), "choices": [choice]}
 
 
