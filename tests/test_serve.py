@@ -371,7 +371,8 @@ BAD = [
     ({"n": 2}, "n", "must be 1"),
     ({"drafter": "eagle7"}, "drafter", "ngram, none"),
     ({"k": 0}, "k", '"auto"'),
-    ({"logprobs": True}, "logprobs", "not supported"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+    ({"presence_penalty": 1}, "presence_penalty", "not supported"),
     ({"frobnicate": 1}, "frobnicate", "unrecognized"),
 ]
 

@@ -175,6 +175,12 @@ def _ll_tokenizer(ll: ModuleType, tokenizer: Any, vocab_size: int, eos_ids: set[
     return _TOKENIZERS[key][1]
 
 
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> Any:
+    """llguidance's tokenizer over the target's vocabulary (built once), or ValueError. Its
+    decode_bytes gives a token's exact bytes (serve's logprobs)."""
+    return _ll_tokenizer(_llguidance(), tokenizer, vocab_size, eos_ids)
+
+
 @dataclass
 class Plan:
     """One round under the grammar: the draft to verify and every verify row's mask."""

@@ -15,14 +15,15 @@ from typing import Any
 
 import torch
 
-from specfast._core import accept_greedy, accept_sampled
+from specfast._core import accept_greedy
 from specfast.chat import is_messages, render_chat
 from specfast.constraints import Constraint
 from specfast.drafters import make_drafter
 from specfast.drafters.base import DraftSetup, Verified, feature_layers
 from specfast.drafters.model import common_tokens
 from specfast.hardware import torch_threads
-from specfast.sampling import accept_sampled_torch, logits_to_probs, position_uniforms, sample_rows
+from specfast.logprobs import committed_logprobs
+from specfast.sampling import choose_tokens
 from specfast.settings import (
     MAX_SPECULATIVE_TOKENS,
     Settings,
@@ -54,6 +55,8 @@ def generate(
     ignore_eos: bool = False,
     draft_vocabulary: int | str | None = "auto",
     response_format: Any = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> GenerateOutput:
     """Generates up to `max_new_tokens` tokens; greedy output is what the model alone gives.
 
@@ -67,6 +70,10 @@ def generate(
     OpenAI's {"type": "json_schema", "json_schema": {"schema": {...}}}, {"type": "regex",
     "regex": ...} or {"type": "grammar", "grammar": <lark>}; greedy output is then the masked
     argmax at every position, with or without speculation.
+    `logprobs=True` returns each new token's log-probability under the target in `out.logprobs`,
+    and `top_logprobs=N` (0-20) its position's N most likely tokens in `out.top_logprobs`: the
+    log-softmax of the target's logits (masked by response_format, if any) before temperature
+    and the filters, read from the verify pass, so the numbers are plain decoding's (logprobs.py).
     A call is a one-turn Session: it prefills the whole prompt into a fresh cache.
     """
     fixed_k = check_k(num_speculative_tokens)
@@ -88,6 +95,8 @@ def generate(
         streamer=streamer,
         ignore_eos=ignore_eos,
         response_format=response_format,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
     if is_messages(prompt):  # chat messages: the model's own chat template, as pipelines do
         prompt = render_chat(prompt, target.chat_template)
@@ -131,7 +140,7 @@ def run_turn(
     # Forced tokens lengthen a constrained round's draft past k: count runs up to the cap.
     longest = fixed_k if fixed_k is not None and constraint is None else MAX_SPECULATIVE_TOKENS
     stats = GenerationStats(acceptance_histogram=[0] * (longest + 1))
-    emit = Emitter(s.streamer, s.tokenizer, ids, s.eos_ids, s.stops, s.max_new_tokens)
+    emit = Emitter(s.streamer, s.tokenizer, ids, s.eos_ids, s.stops, s.max_new_tokens, s.logprobs)
     drafter.start_turn(s.seed, s.params if s.sampling is not None else None)
     # A decoder may ask for torch on fewer threads (an int8 model's, whose core keeps a helper
     # thread spinning on the second core through a generation).
@@ -142,11 +151,11 @@ def run_turn(
         logits, features = _forward(decoder, new, feature_layers(drafter), last_only=True)
         if constraint is not None:  # the first token is the grammar's too
             logits = constraint.plan([], None, 0).mask(logits)
-        first = _choose(logits, [], None, 0, s.sampling)
+        first = choose_tokens(logits, [], None, 0, s.sampling)
         stats.target_passes = 1
         stats.prefill_tokens, stats.reused_tokens = len(ids) - reused, reused
         stats.prefill_seconds = time.perf_counter() - start
-        emit.commit(*first)
+        emit.commit(*first, rows=committed_logprobs(logits, first, s.logprobs))
         if constraint is not None:
             constraint.commit(emit.token_ids)
         drafter.extend(ids[indexed:])
@@ -162,7 +171,9 @@ def run_turn(
         last = max((i for i, n in enumerate(stats.acceptance_histogram) if n), default=0)
         stats.acceptance_histogram = stats.acceptance_histogram[: last + 1]
     text = decode(s.tokenizer, emit.token_ids) if s.tokenizer is not None else None
-    return GenerateOutput(emit.token_ids, text, stats, emit.finish_reason)
+    return GenerateOutput(
+        emit.token_ids, text, stats, emit.finish_reason, emit.logprobs, emit.top_logprobs
+    )
 
 
 def speculate(
@@ -195,8 +206,9 @@ def speculate(
     layers = feature_layers(drafter)
     cold = cold_passes(decoder)
     out, logits, features = _verify(
-        decoder, tokens, draft, q, len(emit.token_ids), sampling, settings.device, layers, plan
-    )
+        decoder, tokens, draft, q, len(emit.token_ids), sampling, settings.device, layers, plan,
+        want_logits=settings.logprobs is not None,
+    )  # fmt: skip
     seconds: float | None = time.perf_counter() - t1
     n_accepted = len(out) - 1
     if features is not None:
@@ -216,7 +228,7 @@ def speculate(
     drafter.observe(proposal, own, seconds, verified)
     # Keep [last, accepted drafts] in the cache; the new token goes in next round.
     decoder.rollback(decoder.length - len(draft) + n_accepted)
-    committed = emit.commit(*out)
+    committed = emit.commit(*out, rows=committed_logprobs(logits, out, settings.logprobs))
     if constraint is not None:
         constraint.commit(emit.token_ids[-committed:])
     stats.target_passes += 1
@@ -232,7 +244,9 @@ def cold_passes(decoder: Decoder) -> int:
     return decoder.cold_passes
 
 
-def _verify(decoder, tokens, draft, q, pos, sampling, device, layers=None, plan=None):
+def _verify(
+    decoder, tokens, draft, q, pos, sampling, device, layers=None, plan=None, want_logits=False
+):
     """One target pass over tokens = [last, *draft] -> (tokens it commits, its logits or None,
     the features of `layers` for every row or None).
 
@@ -240,17 +254,19 @@ def _verify(decoder, tokens, draft, q, pos, sampling, device, layers=None, plan=
     k+1 ids are the round's one device-to-host copy (`greedy_ids`: lists in and out, so
     llama.cpp's decoder needs no torch call); the accepted count is their leading run of
     matches, counted on the host (O(k)). Sampling needs the logits, and so does a grammar: its
-    masks (`plan`) are applied to every row before the argmax or the sampling transforms."""
-    if sampling is None and layers is None and plan is None:
+    masks (`plan`) are applied to every row before the argmax or the sampling transforms, and
+    logprobs (`want_logits`) read every row; without them the logits never leave the step."""
+    fast = sampling is None and plan is None and not want_logits  # greedy ids are all it needs
+    if fast and layers is None:
         return accept_greedy(draft, decoder.greedy_ids(tokens)), None, None
     ids = to_device(tokens, device)  # no blocking upload: the ids coming back are the one sync
-    if sampling is None and plan is None:
+    if fast:
         top, features = decoder.forward_greedy(ids, features=layers)
         return accept_greedy(draft, top.tolist()), None, features
     logits, features = _forward(decoder, ids, layers)  # (1 + len(draft), V)
     if plan is not None:
         logits = plan.mask(logits)
-    return _choose(logits, draft, q, pos, sampling), logits, features
+    return choose_tokens(logits, draft, q, pos, sampling), logits, features
 
 
 def _forward(decoder, ids, layers, last_only=False):
@@ -259,32 +275,6 @@ def _forward(decoder, ids, layers, last_only=False):
     if layers is None:
         return decoder.forward(ids, last_only=last_only), None
     return decoder.forward(ids, last_only=last_only, features=layers)
-
-
-def _choose(logits, draft, q, pos, sampling) -> list[int]:
-    """The tokens one target pass commits: accepted drafts plus the target's own token.
-
-    `pos` is the absolute output position of the pass's first row; `sampling` is None for
-    greedy, else (seed, logits_to_probs keyword arguments).
-    """
-    if sampling is None:
-        return accept_greedy(draft, logits.argmax(dim=-1).tolist())  # one sync: k+1 ids
-    seed, params = sampling
-    probs = logits_to_probs(logits, **params)  # (k+1, V) float32, on the model's device
-    if q is None:
-        # One-hot drafts (n-gram, or none): draw every row's token from p with the uniform of
-        # its absolute position, and keep drafts while they equal the draw. Accepting d with
-        # probability p(d) and otherwise drawing from p with d removed is the residual rule
-        # for a one-hot q, so this is exact; and because a position's draw never depends on k,
-        # a seed gives the very text plain sampling gives, with or without speculation.
-        return accept_greedy(
-            draft, sample_rows(probs, position_uniforms(seed, pos, len(probs))).tolist()
-        )
-    # A draft model's q: the ratio test and the residual max(0, p - q), one seed per round.
-    round_seed = int(position_uniforms(seed ^ 0x5EED, pos, 1)[0] * 2**53)
-    if probs.device.type == "cpu":
-        return accept_sampled(probs.numpy(), draft, q.float().numpy(), seed=round_seed)
-    return accept_sampled_torch(probs, draft, q, seed=round_seed)
 
 
 def _check_draft(draft: list[int], vocab_size: int) -> None:

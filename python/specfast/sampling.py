@@ -356,3 +356,29 @@ def copy_generator(g: torch.Generator) -> torch.Generator:
     new = torch.Generator(device=g.device)
     new.set_state(g.get_state())
     return new
+
+
+def choose_tokens(logits, draft, q, pos, sampling) -> list[int]:
+    """The tokens one target pass commits: accepted drafts plus the target's own token.
+
+    `pos` is the absolute output position of the pass's first row; `sampling` is None for
+    greedy, else (seed, logits_to_probs keyword arguments).
+    """
+    if sampling is None:
+        return accept_greedy(draft, logits.argmax(dim=-1).tolist())  # one sync: k+1 ids
+    seed, params = sampling
+    probs = logits_to_probs(logits, **params)  # (k+1, V) float32, on the model's device
+    if q is None:
+        # One-hot drafts (n-gram, or none): draw every row's token from p with the uniform of
+        # its absolute position, and keep drafts while they equal the draw. Accepting d with
+        # probability p(d) and otherwise drawing from p with d removed is the residual rule
+        # for a one-hot q, so this is exact; and because a position's draw never depends on k,
+        # a seed gives the very text plain sampling gives, with or without speculation.
+        return accept_greedy(
+            draft, sample_rows(probs, position_uniforms(seed, pos, len(probs))).tolist()
+        )
+    # A draft model's q: the ratio test and the residual max(0, p - q), one seed per round.
+    round_seed = int(position_uniforms(seed ^ 0x5EED, pos, 1)[0] * 2**53)
+    if probs.device.type == "cpu":
+        return _core.accept_sampled(probs.numpy(), draft, q.float().numpy(), seed=round_seed)
+    return accept_sampled_torch(probs, draft, q, seed=round_seed)

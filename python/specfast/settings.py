@@ -1,6 +1,6 @@
 """One call's generation options, checked in one place for generate() and Session.send: the
-prompt's token ids, sampling, EOS ids, stop strings, the streamer and the response format. Bad
-values raise ValueError or TypeError saying what is allowed."""
+prompt's token ids, sampling, EOS ids, stop strings, the streamer, the response format and
+logprobs. Bad values raise ValueError or TypeError saying what is allowed."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from specfast.constraints import Grammar, check_response_format
+from specfast.logprobs import check_logprobs
 from specfast.sampling import check_sampling_params
 from specfast.targets.base import Target
 
@@ -94,6 +95,7 @@ class Settings:
     vocab_size: int
     device: torch.device
     grammar: Grammar | None = None  # response_format's, checked and compiled
+    logprobs: int | None = None  # None: off; else how many alternatives each token gets
 
 
 def check_settings(
@@ -111,6 +113,8 @@ def check_settings(
     streamer: Any = None,
     ignore_eos: bool = False,
     response_format: Any = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> Settings:
     """Checks generate()'s per-call options; ValueError/TypeError say what is allowed."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
@@ -130,6 +134,7 @@ def check_settings(
     eos_ids = _eos_ids(eos_token_id, target, ignore_eos)
     stops = _stop_strings(stop_strings, tokenizer)
     grammar = check_response_format(response_format, tokenizer, target.vocab_size, eos_ids)
+    top = check_logprobs(logprobs, top_logprobs)
     seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     sampling = None if temperature == 0 else (seed, params)
     return Settings(
@@ -144,6 +149,7 @@ def check_settings(
         target.vocab_size,
         target.device,
         grammar,
+        top,
     )
 
 

@@ -57,7 +57,13 @@ class GenerationStats:
 
 @dataclass
 class GenerateOutput:
+    """`logprobs` (with logprobs=True): each new token's log-probability under the target,
+    `top_logprobs` (with top_logprobs=N): per token its position's N most likely tokens as
+    (id, logprob), most likely first; specfast/logprobs.py says which distribution."""
+
     token_ids: list[int]  # new tokens only
     text: str | None
     stats: GenerationStats
     finish_reason: str  # "length" | "eos" | "stop_string"
+    logprobs: list[float] | None = None  # one per token_ids entry
+    top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -33,16 +33,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from specfast.constraints import check_response_format
+from specfast.serve.logprobs import Logprobs, Relay, options, whole
 from specfast.serve.pool import Pool
-from specfast.serve.protocol import (
-    BadRequest,
-    Request,
-    chunk,
-    completion,
-    error_body,
-    parse_request,
-    usage_chunk,
-)
+from specfast.serve.protocol import BadRequest, Request, error_body, parse_request
+from specfast.serve.replies import chunk, completion, usage_chunk
+from specfast.serve.stops import StopHold, cut_at_stop
 from specfast.serve.tool_calls import CallStream, reply
 from specfast.serve.tools import ToolsError, constrain, render
 from specfast.settings import encode_text
@@ -192,6 +187,7 @@ class Server:
                 stop_strings=req.stop or None,
                 streamer=self.streamer(job) if req.stream else None,
                 response_format=req.response_format,
+                **options(req.logprobs),
             )
         except Disconnected:
             self.cancelled += 1
@@ -216,7 +212,7 @@ class Server:
             if text:
                 job.put("text", text)
 
-        return put
+        return put if job.req.logprobs is None else Relay(put, job)
 
     def shutdown(self) -> None:
         """Stops what runs, waits for the worker, then writes the corpus."""
@@ -224,39 +220,6 @@ class Server:
             job.cancelled.set()
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.pool.save()
-
-
-# ----------------------------------------------------------------------------
-# text: stop strings are cut off, as OpenAI returns them
-
-
-def cut_at_stop(text: str, stops: list[str]) -> str:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[: min(found)] if found else text
-
-
-class StopHold:
-    """Streams text while holding back what could still become a stop string."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.text, self.sent = stops, "", 0
-        self.hold = max(map(len, stops), default=1) - 1
-
-    def add(self, delta: str) -> str:
-        self.text += delta
-        safe = cut_at_stop(self.text, self.stops)
-        end = len(safe) if len(safe) < len(self.text) else len(self.text) - self.hold
-        return self._take(end)
-
-    def rest(self, final: str) -> str:
-        self.text = final
-        return self._take(len(final))
-
-    def _take(self, end: int) -> str:
-        if end <= self.sent:
-            return ""
-        out, self.sent = self.text[self.sent : end], end
-        return out
 
 
 # ----------------------------------------------------------------------------
@@ -314,23 +277,36 @@ def build_app(server: Server) -> Starlette:
             return error(BadRequest("the request was cancelled", status=503))
         text = cut_at_stop(value.text or "", req.stop)
         n_new = len(value.token_ids)
-        body = completion(req, text, value.finish_reason, len(ids), n_new, value.stats)
+        logprobs = whole(req, server.target, value, text)
+        body = completion(req, text, value.finish_reason, len(ids), n_new, value.stats, logprobs)
         return JSONResponse(reply(req, body, text, value.finish_reason))
 
     async def stream(job: Job):
         req = job.req
         hold, out = StopHold(req.stop), CallStream(req, chunk)  # text, or tool-call deltas
+        logprobs = Logprobs(req.kind, req.logprobs, server.target)
+
+        def sent(chunks: list[dict]) -> list[dict]:
+            # The first chunk of a delta carries the logprobs of the text sent so far; with no
+            # chunk (a call still being parsed) they wait for the next one.
+            if chunks:
+                chunks[0]["choices"][0]["logprobs"] = logprobs.take(hold.sent)
+            return chunks
+
         try:
             yield sse(chunk(req, first=True))
             while True:
                 kind, value = await job.events.get()
+                if kind == "logprobs":
+                    logprobs.add(*value)
+                    continue
                 if kind == "text":
-                    for c in out.chunks(hold.add(value)):
+                    for c in sent(out.chunks(hold.add(value))):
                         yield sse(c)
                     continue
                 if kind == "done":
                     text = hold.rest(cut_at_stop(value.text or "", req.stop))
-                    for c in out.chunks(text, end=True):
+                    for c in sent(out.chunks(text, end=True)):
                         yield sse(c)
                     yield sse(out.last(value.finish_reason))
                     if req.include_usage:

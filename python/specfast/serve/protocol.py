@@ -1,7 +1,8 @@
-"""OpenAI's wire format: checking a request body, and the shapes of responses and errors.
+"""OpenAI's wire format: checking a request body, and the shape of an error (replies.py has
+the replies').
 
 Only what the server implements is accepted. A field it does not know, or one it knows but
-cannot honour (n > 1, logprobs, penalties), is a 400 that names the field, as OpenAI's own API
+cannot honour (n > 1, penalties), is a 400 that names the field, as OpenAI's own API
 answers "Unrecognized request argument supplied"; silently ignoring it would return text the
 client did not ask for. The check runs on the event loop, before a request is queued, so bad
 input never reaches the worker thread or a Session.
@@ -15,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from specfast.serve.logprobs import requested
 from specfast.serve.tools import Tools, check_message, with_tools
 from specfast.settings import MAX_SPECULATIVE_TOKENS
 
@@ -36,8 +38,6 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 IGNORED_AT_DEFAULT = {
     "frequency_penalty": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
-    "logprobs": (False, None, 0),
-    "top_logprobs": (None, 0),
     "logit_bias": (None,),
     "echo": (False, None),
     "best_of": (1, None),
@@ -75,6 +75,7 @@ class Request:
     k: int | str = "auto"
     response_format: dict | None = None  # json_object or json_schema; None: free text
     tools: Tools | None = None  # serve/tools.py: the tools, tool_choice, parallel_tool_calls
+    logprobs: int | None = None  # alternatives per token (serve/logprobs.py); None: off
     id: str = ""
     created: int = 0
 
@@ -126,6 +127,7 @@ def parse_request(body: Any, kind: str, model_id: str, defaults: dict[str, Any])
         drafter=_drafter(body, defaults["drafter"]),
         k=_k(body, defaults["k"]),
         response_format=_response_format(body),
+        logprobs=requested(body, kind),
         id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
         created=int(time.time()),
     )
@@ -319,78 +321,3 @@ def _k(body: dict, default: int | str) -> int | str:
 
 # ----------------------------------------------------------------------------
 # responses
-
-FINISH = {"eos": "stop", "stop_string": "stop", "length": "length"}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def specfast_stats(stats) -> dict[str, Any]:
-    """The `specfast` object of a response: what speculation did for this request."""
-    return {
-        "target_passes": stats.target_passes,
-        "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
-        "draft_tokens": stats.draft_tokens,
-        "accepted_tokens": stats.accepted_tokens,
-        "forced_tokens": stats.forced_tokens,
-        "reused_prompt_tokens": stats.reused_tokens,
-        "prefill_tokens": stats.prefill_tokens,
-        "prefill_seconds": round(stats.prefill_seconds, 6),
-        "seconds": round(stats.seconds, 6),
-    }
-
-
-def _head(req: Request, chunk: bool) -> dict[str, Any]:
-    if req.kind == "chat":
-        obj = "chat.completion.chunk" if chunk else "chat.completion"
-    else:
-        obj = "text_completion"
-    return {"id": req.id, "object": obj, "created": req.created, "model": req.model}
-
-
-def completion(req: Request, text: str, finish: str, n_prompt: int, n_new: int, stats) -> dict:
-    """The whole response of a request that did not stream."""
-    if req.kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": FINISH[finish],
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH[finish]}
-    return {
-        **_head(req, False),
-        "choices": [choice],
-        "usage": usage(n_prompt, n_new),
-        "specfast": specfast_stats(stats),
-    }
-
-
-def chunk(req: Request, text: str | None = None, finish: str | None = None, first=False) -> dict:
-    """One streamed chunk: a text delta, or the last one with its finish reason."""
-    reason = FINISH[finish] if finish else None
-    if req.kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-        if text:
-            delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-    return {**_head(req, True), "choices": [choice]}
-
-
-def usage_chunk(req: Request, n_prompt: int, n_new: int, stats) -> dict:
-    """The chunk after the last one when stream_options.include_usage asks for it."""
-    return {
-        **_head(req, True),
-        "choices": [],
-        "usage": usage(n_prompt, n_new),
-        "specfast": specfast_stats(stats),
-    }

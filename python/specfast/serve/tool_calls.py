@@ -133,7 +133,7 @@ def reply(req: Any, body: dict, text: str, finish: str) -> dict:
 
 class CallStream:
     """A streamed chat reply's chunks: its text as content, or as tool-call deltas. `chunk` is
-    protocol.chunk (tools.py sits below protocol.py, which imports it)."""
+    replies.chunk (tools.py sits below protocol.py, which imports it)."""
 
     def __init__(self, req: Any, chunk: Any):
         self.req, self.chunk = req, chunk
