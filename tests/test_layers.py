@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "specfast"
 LAYERS = {"_core": 1, "sampling": 1, "autok": 1, "hardware": 1, "corpus": 1, "targets.base": 1}
 LAYERS |= {"stats": 1, "chat": 1, "streaming": 1, "constraints": 1, "model": 2, "targets": 3}
-LAYERS |= {"settings": 3}
+LAYERS |= {"logprobs": 1, "settings": 3}
 LAYERS |= {"formats": 3, "drafters": 4, "generate": 5, "session": 5, "": 5}
 LAYERS |= {"cli": 6, "serve": 6, "bench": 6, "train": 6, "__main__": 6, "vllm": 6}
 FILES = {p: p.relative_to(PACKAGE.parent).with_suffix("").parts for p in PACKAGE.rglob("*.py")}

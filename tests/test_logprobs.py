@@ -17,10 +17,11 @@ import torch
 from test_generate import OracleDrafter
 
 import specfast
+from specfast.model import Model, ModelConfig
 from specfast.session import Session
-from specfast.targets.torch.model import Model, ModelConfig
 
 generate_module = importlib.import_module("specfast.generate")
+logprobs_module = importlib.import_module("specfast.logprobs")  # where the loop reads rows
 
 CONFIG = ModelConfig(
     vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
@@ -68,9 +69,9 @@ def chosen(logprobs: torch.Tensor, tokens: list[int]) -> list[float]:
 
 def next_row(monkeypatch):
     """The bug: token i's logprobs are read from row i + 1 of the verify pass."""
-    real = generate_module.token_logprobs
+    real = logprobs_module.token_logprobs
     monkeypatch.setattr(
-        generate_module,
+        logprobs_module,
         "token_logprobs",
         lambda logits, tokens, n: real(torch.cat([logits[1:], logits[-1:]]), tokens, n),
     )
@@ -78,9 +79,9 @@ def next_row(monkeypatch):
 
 def previous_token(monkeypatch):
     """The bug: each row reports the logprob of the token before the one it chose."""
-    real = generate_module.token_logprobs
+    real = logprobs_module.token_logprobs
     monkeypatch.setattr(
-        generate_module,
+        logprobs_module,
         "token_logprobs",
         lambda logits, tokens, n: real(logits, [tokens[0], *tokens[:-1]], n),
     )

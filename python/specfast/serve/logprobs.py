@@ -18,40 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from specfast.constraints import ll_tokenizer
-from specfast.logprobs import MAX_TOP_LOGPROBS
 
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions, as OpenAI's
-
-
-def requested(body: dict, kind: str) -> int | None:
-    """How many alternatives each token gets, or None for no logprobs; a 400 naming the field
-    says what is allowed."""
-    from specfast.serve.protocol import BadRequest  # here: protocol imports this module
-
-    v = body.get("logprobs")
-    if kind == "completion":
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LEGACY_LOGPROBS:
-            raise BadRequest(
-                f"logprobs must be an integer in [0, {MAX_LEGACY_LOGPROBS}] (how many "
-                f"alternatives per token) or null, got {v!r}",
-                "logprobs",
-            )
-        return v
-    if v is not None and not isinstance(v, bool):
-        raise BadRequest(f"logprobs must be true or false, got {v!r}", "logprobs")
-    top = body.get("top_logprobs")
-    if top is not None and (
-        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS
-    ):
-        raise BadRequest(
-            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
-            "top_logprobs",
-        )
-    if top and not v:
-        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-    return (top or 0) if v else None
 
 
 def token_pieces(target) -> Callable[[int], tuple[bytes, bool]]:

@@ -16,7 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from specfast.serve.logprobs import requested
+from specfast.logprobs import MAX_TOP_LOGPROBS
+from specfast.serve.logprobs import MAX_LEGACY_LOGPROBS
 from specfast.serve.tools import Tools, check_message, with_tools
 from specfast.settings import MAX_SPECULATIVE_TOKENS
 
@@ -127,11 +128,40 @@ def parse_request(body: Any, kind: str, model_id: str, defaults: dict[str, Any])
         drafter=_drafter(body, defaults["drafter"]),
         k=_k(body, defaults["k"]),
         response_format=_response_format(body),
-        logprobs=requested(body, kind),
+        logprobs=_logprobs(body, kind),
         id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
         created=int(time.time()),
     )
     return with_tools(req, body) if kind == "chat" else req
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives each token gets, or None for no logprobs; a 400 naming the field
+    says what is allowed."""
+    v = body.get("logprobs")
+    if kind == "completion":
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LEGACY_LOGPROBS:
+            raise BadRequest(
+                f"logprobs must be an integer in [0, {MAX_LEGACY_LOGPROBS}] (how many "
+                f"alternatives per token) or null, got {v!r}",
+                "logprobs",
+            )
+        return v
+    if v is not None and not isinstance(v, bool):
+        raise BadRequest(f"logprobs must be true or false, got {v!r}", "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS
+    ):
+        raise BadRequest(
+            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+            "top_logprobs",
+        )
+    if top and not v:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if v else None
 
 
 def _response_format(body: dict) -> dict | None:
