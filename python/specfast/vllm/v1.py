@@ -63,6 +63,8 @@ class SpecfastProposer:
             )
             self.warned = True
         drafts: list[list[int]] = []
+        # Rows that decode this step (a partial prefill samples nothing): the batch that verifies.
+        batch = sum(1 for sampled in sampled_token_ids if len(sampled))
         for row, sampled in enumerate(sampled_token_ids):
             length = int(num_tokens_no_spec[row])
             budget = draft_budget(self.k, length, self.max_model_len)
@@ -71,7 +73,7 @@ class SpecfastProposer:
                 drafts.append([])  # a partial prefill samples nothing
                 continue
             self.drafts.sync(key, np.asarray(token_ids_cpu[row, :length]))
-            drafts.append(self.drafts.propose(key, budget))
+            drafts.append(self.drafts.propose(key, budget, batch))
         return drafts
 
     def load_model(self, *args, **kwargs) -> None:

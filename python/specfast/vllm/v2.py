@@ -39,8 +39,10 @@ class SpecfastSpeculator(BaseSpeculator):
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.device, self.req_states = device, req_states
-        self.drafts = RequestDrafts()
         max_reqs = int(vllm_config.scheduler_config.max_num_seqs)
+        # This runner verifies K tokens a row, drafted or padded, so a draft costs nothing over
+        # padding: every row with a match may fill its K (draft_cap's free tokens never run out).
+        self.drafts = RequestDrafts(free_tokens=max_reqs * (self.k + 1))
         self.out = torch.zeros(max_reqs, self.k, dtype=torch.int64, device=device)
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
@@ -88,13 +90,14 @@ class SpecfastSpeculator(BaseSpeculator):
         last = last_sampled.reshape(-1).cpu().numpy()[slots]
         rows = self.req_states.all_token_ids.gpu
         drafts = np.repeat(last[:, None], self.k, axis=1)  # [n, K], the padding
+        batch = int((sampled > 0).sum())  # rows that decode this step
         for b, req_id in enumerate(input_batch.req_ids[:n]):
             length = int(lengths[b])
             budget = draft_budget(self.k, length, self.max_model_len)
             if sampled[b] == 0 or budget == 0:
                 continue  # a chunk of prefill samples nothing
             self.drafts.sync(req_id, rows[int(slots[b]), :length])
-            tokens = self.drafts.propose(req_id, budget)
+            tokens = self.drafts.propose(req_id, budget, batch)
             drafts[b, : len(tokens)] = tokens
         self.out[:n].copy_(torch.from_numpy(drafts))
         return self.out[:n]
