@@ -147,7 +147,9 @@ def test_negative_control_no_rollback_is_caught(model, exact_joint, monkeypatch)
 
 
 def test_negative_control_bonus_from_wrong_position_is_caught(model, exact_joint, monkeypatch):
-    real = generate_module.sample_rows
+    import specfast.sampling as sampling_module  # where the round draws its rows
+
+    real = sampling_module.sample_rows
 
     def bonus_from_previous_row(probs, uniforms):
         # The bug: the bonus (the row after the last draft) is drawn from row k-1, not row k.
@@ -155,7 +157,7 @@ def test_negative_control_bonus_from_wrong_position_is_caught(model, exact_joint
             probs = torch.cat([probs[:-1], probs[-2:-1]])
         return real(probs, uniforms)
 
-    monkeypatch.setattr(generate_module, "sample_rows", bonus_from_previous_row)
+    monkeypatch.setattr(sampling_module, "sample_rows", bonus_from_previous_row)
     assert chi2_pvalue(sample_joint(model, N), exact_joint) < ALPHA
 
 

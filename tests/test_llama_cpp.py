@@ -344,15 +344,15 @@ def test_level2_negative_control_bonus_from_wrong_row_is_caught(
 ):
     import importlib
 
-    generate_module = importlib.import_module("specfast.generate")
-    real = generate_module.sample_rows
+    sampling_module = importlib.import_module("specfast.sampling")  # the round's draws
+    real = sampling_module.sample_rows
 
     def bonus_from_previous_row(probs, uniforms):
         if len(probs) > 1:
             probs = torch.cat([probs[:-1], probs[-2:-1]])
         return real(probs, uniforms)
 
-    monkeypatch.setattr(generate_module, "sample_rows", bonus_from_previous_row)
+    monkeypatch.setattr(sampling_module, "sample_rows", bonus_from_previous_row)
     counts = sample_joint(tiny, N, lambda: TopDrafter(tiny, memo), num_speculative_tokens=2)
     assert pvalue(counts, exact_joint) < ALPHA
 
